@@ -42,7 +42,8 @@ def dense_paged_attention_torch(
     for q0 in range(0, num_tokens, QUERY_CHUNK):
         q1 = min(q0 + QUERY_CHUNK, num_tokens)
         seq, pos = seq_all[q0:q1], pos_all[q0:q1]
-        limit = pos + 1 if causal else kv[seq]  # keys [0, limit) are visible
+        # keys [0, limit) are visible; a row at a negative position sees none
+        limit = torch.where(pos < 0, 0, pos + 1 if causal else kv[seq])
         b_q = q[q0:q1].float().view(q1 - q0, hkv, group, d)  # [C, Hkv, G, D]
         m = torch.full((q1 - q0, hkv, group), float("-inf"), device=device)
         l = torch.zeros(q1 - q0, hkv, group, device=device)

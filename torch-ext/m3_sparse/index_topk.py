@@ -30,8 +30,8 @@ def validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used
     check_dim("index_k_cache", index_k_cache, 2, index_q.shape[2], "index head dim (index_q.shape[2])")
     check_positive_int("topk", topk)
     check_positive_int("block_size", block_size)
-    if not isinstance(local_blocks, int) or isinstance(local_blocks, bool) or not 1 <= local_blocks <= topk:
-        raise ValueError(f"local_blocks: expected an int in [1, topk={topk}], got {local_blocks!r}")
+    if not isinstance(local_blocks, int) or isinstance(local_blocks, bool) or not 0 <= local_blocks <= topk:
+        raise ValueError(f"local_blocks: expected an int in [0, topk={topk}], got {local_blocks!r}")
     check_varlen(
         cu_seqlens_q,
         used_kv_lens,

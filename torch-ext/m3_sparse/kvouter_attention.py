@@ -63,7 +63,8 @@ def kvouter_partials(
         seq = gblock // index.max_blocks
         blk = gblock % index.max_blocks
         kpos = blk[:, None] * block_size + offs_b[None, :]  # [C, B]
-        visible = (kpos < kv[seq][:, None]) & live[:, None]
+        # A row before its sequence's first token (negative position) sees nothing.
+        visible = (kpos < kv[seq][:, None]) & (live & (pos_all[tok_c] >= 0))[:, None]
         if causal:
             visible &= kpos <= pos_all[tok_c][:, None]
         kpos_c = kpos.clamp(max=capacity_tokens - 1)

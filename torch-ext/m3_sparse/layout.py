@@ -44,5 +44,6 @@ def gather_tokens(
     (K/V: pass it with the head axis moved behind the slot axis). ``seq``/``pos``
     must be in range; callers clamp positions they will mask anyway.
     """
+    pos = pos.clamp(min=0)
     page = block_tables.to(torch.int64)[seq, pos // page_size]
     return cache[page, pos % page_size]

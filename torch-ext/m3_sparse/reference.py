@@ -35,6 +35,8 @@ def index_topk_ref(
     sel = torch.full((num_tokens, heads, topk), -1, dtype=torch.int32)
     scores_out = {}
     for b, t, p, _ in _seq_rows(cu_seqlens_q, used_kv_lens):
+        if p < 0:  # a row before the sequence's first token sees nothing
+            continue
         keys = torch.stack(
             _read(lambda pg, s: index_k_cache[pg, s], block_tables, b, range(p + 1), page_size)
         ).double()  # [p+1, Di]
@@ -66,6 +68,8 @@ def sparse_attention_ref(
     lse = torch.full((hq, num_tokens), float("-inf"), dtype=torch.float64)
     for b, t, p, kv_len in _seq_rows(cu_seqlens_q, used_kv_lens):
         limit = p + 1 if causal else kv_len
+        if p < 0:
+            continue
         for g in range(hkv):
             blocks = sorted({int(x) for x in selected[t, g].cpu() if int(x) >= 0})
             positions = [j for blk in blocks for j in range(blk * block_size, (blk + 1) * block_size) if j < limit]

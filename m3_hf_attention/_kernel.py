@@ -1,0 +1,43 @@
+"""Loading the ``m3-sparse`` hub kernel.
+
+The package keeps no copy of the kernel code: it asks the ``kernels`` loader
+for the variant built for this torch (``build/torch-cuda`` or ``build/torch-cpu``
+of this repository), or for a hub repository named by ``M3_SPARSE_KERNEL``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from types import ModuleType
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENV_VAR = "M3_SPARSE_KERNEL"
+
+
+@functools.cache
+def load_kernel() -> ModuleType:
+    """Return the loaded ``m3_sparse`` kernel module.
+
+    ``M3_SPARSE_KERNEL`` may name a local kernel repository (a directory holding
+    ``build/``) or a hub repository id such as ``org/m3-sparse``; by default the
+    ``build/`` directory of this source tree is used, offline.
+    """
+    import kernels
+
+    source = os.environ.get(ENV_VAR)
+    if source:
+        path = Path(source).expanduser()
+        if path.exists():
+            return kernels.get_local_kernel(path.resolve())
+        if "/" not in source:
+            raise RuntimeError(f"{ENV_VAR}={source!r}: expected an existing directory or a hub repo id 'org/name'")
+        return kernels.get_kernel(source)
+    if not (REPO_ROOT / "build").is_dir():
+        raise RuntimeError(
+            f"m3_hf_attention: no built kernel found at {REPO_ROOT / 'build'}. Install the package from its "
+            f"source tree (pip install -e .), run `python scripts/build_kernel.py`, or set {ENV_VAR} to a kernel "
+            "repository path or hub id."
+        )
+    return kernels.get_local_kernel(REPO_ROOT)

@@ -1,0 +1,274 @@
+"""transformers integration of ``attn_implementation="m3_sparse"``.
+
+Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own module):
+
+1. ``past_key_values.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
+   and returns the page pools;
+2. ``self.indexer(...)``: while ``m3_sparse`` is active the indexer's forward is
+   :func:`indexer_forward`: same projections, norms and rotary embedding, then the
+   index keys go to the paged index cache and ``m3_sparse.index_topk`` selects the
+   blocks (no ``[Sq, Sk]`` score tensor);
+3. the attention interface, :func:`m3_sparse_attention`, runs
+   ``m3_sparse.kvouter_attention`` on the pages (``dense_paged_attention`` for
+   full-attention layers and, bidirectional, for the vision tower).
+
+The mask function hands the attention function the 2-D padding mask unchanged
+(never a 4-D mask), from which it learns how many of each sequence's new tokens are
+real (right padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
+
+from ._kernel import load_kernel
+from .cache import M3PagedCache, M3PagedLayer, new_token_layout, paged_layer_of, set_step_mask, step_mask
+
+ATTN_IMPLEMENTATION = "m3_sparse"
+EPHEMERAL_PAGE_SIZE = 64
+
+_ORIGINAL_INDEXER_FORWARD = m3.MiniMaxM3VLIndexer.forward
+
+
+def is_active(config) -> bool:
+    return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+
+# ---------------------------------------------------------------------------------------
+# layout helpers
+# ---------------------------------------------------------------------------------------
+def _pages_from_contiguous(x: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, H, S, D] -> page pool [B * W, H, page_size, D] and block tables [B, W] (a copy)."""
+    b, h, s, d = x.shape
+    w = max(1, -(-s // page_size))
+    x = torch.nn.functional.pad(x, (0, 0, 0, w * page_size - s))
+    pool = x.view(b, h, w, page_size, d).permute(0, 2, 1, 3, 4).reshape(b * w, h, page_size, d)
+    tables = torch.arange(b * w, dtype=torch.int32, device=x.device).view(b, w)
+    return pool.contiguous(), tables
+
+
+def _check_no_holes(attention_mask: torch.Tensor | None, q_len: int) -> None:
+    """A contiguous (non-paged) cache cannot skip padding inside the history."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] == q_len:
+        return
+    if attention_mask.device.type != "cpu" and not _debug():
+        return
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            "m3_sparse: a padded batch with a cache other than M3PagedCache leaves padding inside the key history, "
+            "which this path cannot skip. Pass past_key_values=m3_hf_attention.M3PagedCache(...) (generate() does "
+            "so by default with attn_implementation='m3_sparse')."
+        )
+
+
+def _debug() -> bool:
+    import os
+
+    return os.environ.get("M3_SPARSE_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.Tensor | None):
+    """Pages of a contiguous history [B, H, Sk, D] without a paged cache.
+
+    Leading pads of the new tokens are dropped by shifting each row left (the rows
+    then stay right aligned on ``Sk - lead``); padding inside an older history cannot
+    be dropped this way and is rejected by :func:`_check_no_holes`.
+    """
+    batch, sk = x.shape[0], x.shape[2]
+    lead, _ = new_token_layout(mask, batch, sk, q_len, x.device)
+    if sk == q_len:
+        src = (torch.arange(sk, device=x.device)[None, :] + lead[:, None]).clamp(max=sk - 1)
+        x = x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+    pool, tables = _pages_from_contiguous(x, page_size)
+    kv_lens = (sk - lead).to(torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * q_len
+    return pool, tables, cu, kv_lens
+
+
+# ---------------------------------------------------------------------------------------
+# index branch
+# ---------------------------------------------------------------------------------------
+def indexer_forward(self, hidden_states, position_embeddings, past_key_values, position_ids):
+    """``MiniMaxM3VLIndexer.forward`` while ``m3_sparse`` is active.
+
+    Returns block indices ``[B, index_heads, Sq, topk]`` (``-1`` padded) like the stock
+    indexer, computed by ``m3_sparse.index_topk`` over the paged index-key cache.
+    """
+    if not is_active(self.config):
+        return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
+    kernel = load_kernel()
+    batch, q_len, _ = hidden_states.shape
+    idx_q = self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
+    idx_q = self.q_norm(idx_q).transpose(1, 2)  # [B, Hi, S, Di]
+    idx_k = self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)
+    idx_k = self.k_norm(idx_k).transpose(1, 2)  # [B, 1, S, Di]
+    cos, sin = position_embeddings
+    idx_q, idx_k = m3.apply_rotary_pos_emb(idx_q, idx_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
+
+    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
+    if layer is not None:
+        pool = layer.update_index(idx_k)
+        tables, kv_lens = layer.block_tables, layer.step_kv_lens
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=idx_q.device) * q_len
+    else:
+        history = idx_k
+        if past_key_values is not None:
+            history = past_key_values.layers[self.layer_idx].update_index(idx_k)  # stock contiguous layer
+        _check_no_holes(step_mask(), q_len)
+        pool, tables, cu, kv_lens = _contiguous_pages(history, q_len, EPHEMERAL_PAGE_SIZE, step_mask())
+        pool = pool[:, 0]  # one shared index-key head
+    selected = kernel.index_topk(
+        idx_q.transpose(1, 2).reshape(batch * q_len, self.num_heads, self.head_dim),
+        pool,
+        tables,
+        cu_seqlens_q=cu,
+        used_kv_lens=kv_lens,
+        topk=self.topk_blocks,
+        block_size=self.block_size,
+        local_blocks=self.local_blocks,
+    )
+    return selected.view(batch, q_len, self.num_heads, self.topk_blocks).permute(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------
+# attention interface
+# ---------------------------------------------------------------------------------------
+def m3_sparse_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    block_indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention interface of ``m3_sparse``: query [B, Hq, S, D] -> (out [B, S, Hq, D], None).
+
+    ``key``/``value`` are either the page pools returned by :class:`M3PagedCache` or
+    contiguous ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
+    """
+    if dropout and module.training:
+        raise ValueError("m3_sparse: attention dropout is not supported (inference kernels)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"m3_sparse: expected a 2-D padding mask from the m3_sparse mask function, got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    kernel = load_kernel()
+    batch, hq, q_len, d = query.shape
+    causal = getattr(module, "is_causal", True)
+    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)
+
+    layer: M3PagedLayer | None = paged_layer_of(key)
+    if layer is not None:
+        if value is not layer.values:
+            raise ValueError("m3_sparse: key and value come from different cache layers")
+        k_pool, v_pool, tables, kv_lens = key, value, layer.block_tables, layer.step_kv_lens
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
+    else:
+        if not causal and attention_mask is not None:
+            raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
+        if causal:
+            _check_no_holes(attention_mask, q_len)
+        k_pool, tables, cu, kv_lens = _contiguous_pages(key, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
+        v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
+
+    if block_indices is not None:
+        bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
+        out, _ = kernel.kvouter_attention(
+            q,
+            k_pool,
+            v_pool,
+            bi,
+            tables,
+            cu_seqlens_q=cu,
+            used_kv_lens=kv_lens,
+            softmax_scale=scaling,
+            causal=causal,
+            block_size=module.config.index_block_size,
+        )
+    else:
+        out, _ = kernel.dense_paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            tables,
+            cu_seqlens_q=cu,
+            used_kv_lens=kv_lens,
+            softmax_scale=scaling,
+            causal=causal,
+        )
+    return out.view(batch, q_len, hq, d), None
+
+
+def m3_sparse_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function of ``m3_sparse``: causality and block selection live in the kernels,
+    so only the 2-D padding mask travels on (``None`` when there is none)."""
+    mask = None if attention_mask is None else attention_mask.to(torch.bool)
+    set_step_mask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------------------------------
+# generate(): a paged cache by default
+# ---------------------------------------------------------------------------------------
+def _prepare_cache_for_generation(original):
+    def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        if (
+            is_active(self.config.get_text_config(decoder=True))
+            and model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+        ):
+            rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+            model_kwargs["past_key_values"] = M3PagedCache(
+                self.config, rows, max_cache_length, device=self.device, dtype=self.dtype
+            )
+            return None
+        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+    prepare.__wrapped__ = original
+    return prepare
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``attn_implementation="m3_sparse"`` (attention and mask functions) with transformers
+    and route the M3 indexer through the paged ``index_topk`` while it is active. Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    AttentionInterface.register(ATTN_IMPLEMENTATION, m3_sparse_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, m3_sparse_mask)
+    m3.MiniMaxM3VLIndexer.forward = indexer_forward
+    for cls in (m3.MiniMaxM3VLForCausalLM, m3.MiniMaxM3SparseForConditionalGeneration):
+        cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
+    _REGISTERED = True
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "M3PagedCache",
+    "indexer_forward",
+    "m3_sparse_attention",
+    "m3_sparse_mask",
+    "register",
+    "ALL_ATTENTION_FUNCTIONS",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+]
