@@ -1,0 +1,49 @@
+"""Varlen batch and paged-cache bookkeeping shared by the torch implementations.
+
+Conventions used everywhere in the package:
+
+* queries are token-major: ``[Tq, H, D]``, sequence ``b`` owning rows
+  ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``;
+* a sequence's new query tokens are the LAST tokens of its cache ("right
+  aligned"): query ``i`` of a sequence with ``n`` queries and ``kv_len`` cached
+  tokens sits at absolute position ``kv_len - n + i``;
+* caches are paged: token ``j`` of sequence ``b`` lives in page
+  ``block_tables[b, j // page_size]`` at slot ``j % page_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_seq_ids(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sequence id of every query token, computed on the device (no sync). [Tq] int64"""
+    tokens = torch.arange(num_tokens, device=cu_seqlens_q.device, dtype=torch.int64)
+    return torch.searchsorted(cu_seqlens_q.to(torch.int64)[1:], tokens, right=True)
+
+
+def token_positions(
+    cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq id, absolute position) of every query token. Both [Tq] int64."""
+    seq = token_seq_ids(cu_seqlens_q, num_tokens)
+    cu = cu_seqlens_q.to(torch.int64)
+    kv = kv_lens.to(torch.int64)
+    q_len = cu[1:] - cu[:-1]
+    tokens = torch.arange(num_tokens, device=cu.device, dtype=torch.int64)
+    pos = kv[seq] - q_len[seq] + (tokens - cu[seq])
+    return seq, pos
+
+
+def gather_tokens(
+    cache: torch.Tensor, block_tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Read cache rows of (sequence, absolute position) pairs.
+
+    ``cache`` is ``[pages, page_size, ...]`` (index keys) or ``[pages, H, page_size, D]``
+    (K/V: pass it with the head axis moved behind the slot axis). ``seq``/``pos``
+    must be in range; callers clamp positions they will mask anyway.
+    """
+    pos = pos.clamp(min=0)
+    page = block_tables.to(torch.int64)[seq, pos // page_size]
+    return cache[page, pos % page_size]

@@ -1,0 +1,125 @@
+"""Argument checks shared by the public entry points.
+
+Every check here only reads shapes, dtypes and devices (host metadata), so it
+never synchronizes with the GPU. Checks that must read tensor *values* (block
+ids, page-table entries, lengths) run when the tensors live on the CPU, where
+reading them is free, or everywhere when ``M3_SPARSE_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("M3_SPARSE_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def value_checks_enabled(t: torch.Tensor) -> bool:
+    """Value checks cost nothing on the CPU; on an accelerator they need a sync."""
+    return t.device.type == "cpu" or debug_enabled()
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+
+
+def check_dim(name: str, t: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(f"{name}: expected {what} = {expected} (dim {dim}), got shape {tuple(t.shape)}")
+
+
+def check_positive_int(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+
+
+def check_varlen(
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    num_tokens: int,
+    page_size: int,
+    num_pages: int,
+    device: torch.device,
+    kv_lens_name: str = "used_kv_lens",
+) -> int:
+    """Check the varlen batch description; returns the batch size."""
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor(kv_lens_name, kv_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    batch = kv_lens.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_q: expected batch + 1 = {batch + 1} entries ({kv_lens_name} has {batch}), "
+            f"got {cu_seqlens_q.shape[0]}"
+        )
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected {batch} rows (one per sequence), got {block_tables.shape[0]}")
+    if not value_checks_enabled(kv_lens):
+        return batch
+    cu = cu_seqlens_q.to("cpu", torch.int64)
+    kv = kv_lens.to("cpu", torch.int64)
+    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q: expected to start at 0 and end at the number of query tokens {num_tokens}, "
+            f"got {cu.tolist()}"
+        )
+    q_lens = cu[1:] - cu[:-1]
+    if bool((q_lens < 0).any()):
+        raise ValueError(f"cu_seqlens_q: expected non-decreasing offsets, got {cu.tolist()}")
+    if bool((kv < 0).any()):
+        bad = int(torch.nonzero(kv < 0)[0])
+        raise ValueError(f"{kv_lens_name}[{bad}] = {int(kv[bad])}: expected a non-negative token count")
+    capacity = block_tables.shape[1] * page_size
+    if bool((kv > capacity).any()):
+        bad = int(torch.nonzero(kv > capacity)[0])
+        raise ValueError(
+            f"{kv_lens_name}[{bad}] = {int(kv[bad])} exceeds the block table capacity "
+            f"{block_tables.shape[1]} pages x {page_size} = {capacity} tokens"
+        )
+    bt = block_tables.to("cpu", torch.int64)
+    pages_needed = (kv + page_size - 1) // page_size
+    for b in range(batch):
+        used = bt[b, : int(pages_needed[b])]
+        if used.numel() and (bool((used < 0).any()) or bool((used >= num_pages).any())):
+            bad = used[(used < 0) | (used >= num_pages)][0]
+            raise ValueError(
+                f"block_tables[{b}] holds page id {int(bad)} inside the sequence's {int(kv[b])} tokens; "
+                f"expected ids in [0, {num_pages}) (the pool has {num_pages} pages)"
+            )
+    return batch
+
+
+def check_selected_values(selected: torch.Tensor, max_blocks: int) -> None:
+    if not value_checks_enabled(selected) or selected.numel() == 0:
+        return
+    lo = int(selected.min())
+    hi = int(selected.max())
+    if lo < -1 or hi >= max_blocks:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"selected: block id {bad} out of range; expected -1 (empty slot) or an id in "
+            f"[0, {max_blocks}) (block table capacity in blocks)"
+        )

@@ -1,0 +1,53 @@
+"""Combine stage: merge each (token, head)'s partials through the reverse map.
+
+    M = max_s m_s,  a_s = exp(m_s - M),  l = sum_s a_s l_s,
+    O = sum_s a_s O_s / l,  lse = M + log l
+
+Empty slots (``slot_of == -1``) contribute nothing; a row with no key at all
+gets ``O = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOKEN_CHUNK = 256
+
+
+def combine(
+    partial_o: torch.Tensor,
+    partial_m: torch.Tensor,
+    partial_l: torch.Tensor,
+    slot_of: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
+    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None)."""
+    num_tokens, hkv, topk = slot_of.shape
+    _, group, d = partial_o.shape
+    device = partial_o.device
+    out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
+    lse = torch.empty(hkv * group, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    for t0 in range(0, num_tokens, TOKEN_CHUNK):
+        t1 = min(t0 + TOKEN_CHUNK, num_tokens)
+        slots = slot_of[t0:t1].to(torch.int64)  # [C, Hkv, K]
+        used = slots >= 0
+        sc = slots.clamp(min=0)
+        m = partial_m[sc].masked_fill(~used[..., None], float("-inf"))  # [C, Hkv, K, G]
+        l = partial_l[sc].masked_fill(~used[..., None], 0.0)
+        o = partial_o[sc].float().masked_fill(~used[..., None, None], 0.0)  # [C, Hkv, K, G, D]
+        big_m = m.amax(2)  # [C, Hkv, G]
+        empty = big_m == float("-inf")
+        a = torch.exp(m - torch.where(empty, 0.0, big_m)[:, :, None, :])  # [C, Hkv, K, G]
+        a = a.masked_fill(m == float("-inf"), 0.0)
+        l_tot = (a * l).sum(2)  # [C, Hkv, G]
+        o_tot = (a[..., None] * o).sum(2)  # [C, Hkv, G, D]
+        o_tot = o_tot / torch.where(empty, 1.0, l_tot)[..., None]
+        o_tot = o_tot.masked_fill(empty[..., None], 0.0)
+        out[t0:t1] = o_tot.reshape(t1 - t0, hkv * group, d).to(out.dtype)
+        if lse is not None:
+            row = torch.where(empty, float("-inf"), big_m + torch.log(torch.where(empty, 1.0, l_tot)))
+            lse[:, t0:t1] = row.reshape(t1 - t0, hkv * group).transpose(0, 1)
+    return out, lse

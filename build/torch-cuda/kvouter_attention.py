@@ -1,0 +1,87 @@
+"""KV-outer attention stage: raw (unnormalized) partials for every index entry.
+
+Entry ``e`` = (token t, kv head g, block of sequence s). Its partial covers the G
+query heads of group g of token t against the keys of that block that t may see:
+
+    m[e, h] = max_j s_j,  l[e, h] = sum_j exp(s_j - m),  o[e, h] = sum_j exp(s_j - m) v_j
+
+with ``s_j = scale * <q[t, g*G + h], k_j>``. A row that sees no key, and every
+unused entry, stores ``m = -inf, l = 0, o = 0``. Rows are stored in entry order,
+which is the tile order of the schedule, so the GPU kernel writes each tile with
+one contiguous store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvouter_index import KVOuterIndex
+from .layout import token_positions
+
+ENTRY_CHUNK = 512
+
+
+def kvouter_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: KVOuterIndex,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32)."""
+    num_tokens, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    page_size = k_cache.shape[2]
+    group = hq // hkv
+    cap = index.capacity
+    device = q.device
+    partial_o = torch.empty(cap, group, d, dtype=q.dtype, device=device)
+    partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
+    partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
+    if cap == 0:
+        return partial_o, partial_m, partial_l
+    _, pos_all = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)
+    kv = used_kv_lens.to(torch.int64)
+    bt = block_tables.to(torch.int64)
+    nbg = index.num_global_blocks
+    offs_b = torch.arange(block_size, device=device)
+    capacity_tokens = block_tables.shape[1] * page_size
+    for e0 in range(0, cap, ENTRY_CHUNK):
+        e1 = min(e0 + ENTRY_CHUNK, cap)
+        tok = index.entry_token[e0:e1].to(torch.int64)
+        segm = index.entry_segment[e0:e1].to(torch.int64)
+        live = tok >= 0
+        tok_c, seg_c = tok.clamp(min=0), segm.clamp(min=0)
+        g = seg_c // nbg
+        gblock = seg_c % nbg
+        seq = gblock // index.max_blocks
+        blk = gblock % index.max_blocks
+        kpos = blk[:, None] * block_size + offs_b[None, :]  # [C, B]
+        # A row before its sequence's first token (negative position) sees nothing.
+        visible = (kpos < kv[seq][:, None]) & (live & (pos_all[tok_c] >= 0))[:, None]
+        if causal:
+            visible &= kpos <= pos_all[tok_c][:, None]
+        kpos_c = kpos.clamp(max=capacity_tokens - 1)
+        page = bt[seq[:, None], kpos_c // page_size]
+        slot = kpos_c % page_size
+        k = k_cache[page, g[:, None], slot].float()  # [C, B, D]
+        v = v_cache[page, g[:, None], slot].float()  # [C, B, D]
+        heads = g[:, None] * group + torch.arange(group, device=device)[None, :]
+        b_q = q[tok_c[:, None], heads].float()  # [C, G, D]
+        s = torch.einsum("cgd,cbd->cgb", b_q, k) * softmax_scale  # [C, G, B]
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
+        m = s.amax(-1)  # [C, G]
+        empty = m == float("-inf")
+        p = torch.exp(s - torch.where(empty, 0.0, m)[..., None])  # [C, G, B]
+        l = p.sum(-1)
+        o = torch.einsum("cgb,cbd->cgd", p, v)
+        partial_o[e0:e1] = o.to(q.dtype)
+        partial_m[e0:e1] = m
+        partial_l[e0:e1] = l
+    return partial_o, partial_m, partial_l

@@ -1,0 +1,483 @@
+#!/usr/bin/env python3
+"""Greedy generation with a MiniMax M3 model on ``attn_implementation="m3_sparse"``.
+
+With ``--model PATH`` a local M3 checkpoint is loaded (a text checkpoint,
+``MiniMaxM3VLForCausalLM``, or a full multimodal one, which is run on text only).
+Without it a small random-weight M3 text model is built once and saved under
+``--work-dir`` (default ``~/.cache/m3_hf_attention``): nothing is downloaded.
+
+The prompt is encoded with the checkpoint's tokenizer when it has one; otherwise
+``--prompt`` text becomes token ids byte by byte (UTF-8) and ``--prompt-tokens N``
+draws N random ids. ``--compare-sdpa`` reruns the same weights with
+``attn_implementation="sdpa"`` (transformers' own dense-mask implementation of the
+same sparse attention) and exits with status 1 unless both agree.
+
+Examples::
+
+    python examples/generate.py
+    python examples/generate.py --compare-sdpa --batch-size 3
+    python examples/generate.py --model /path/to/m3 --prompt "Hello" --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+try:
+    import m3_hf_attention
+except ImportError:  # a checkout that was not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import m3_hf_attention
+
+from m3_hf_attention import M3PagedCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+DEFAULT_WORK_DIR = Path("~/.cache/m3_hf_attention")
+TINY_DIR_NAME = "tiny-m3"
+# Bumped whenever tiny_config() or the weight recipe changes, so that a cached
+# model built by an older version of this script is rebuilt instead of reused.
+TINY_RECIPE = 1
+TINY_SEED = 0
+DEFAULT_RANDOM_PROMPT_TOKENS = 320
+DEFAULT_TEXT_PROMPT = "The MiniMax M3 model attends to a few selected blocks of its context."
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+# Logit agreement bound, relative to the largest reference logit: fp32 runs
+# differ by accumulation order only; half-precision runs also round activations
+# at different points in the two implementations.
+DEFAULT_LOGIT_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+# ---------------------------------------------------------------------------------------
+# the random model
+# ---------------------------------------------------------------------------------------
+def tiny_config() -> MiniMaxM3VLTextConfig:
+    """A small M3 text config that still has every feature of the real one.
+
+    Index blocks of 16 tokens with top-4 selection mean a query sees at most 64
+    keys in a sparse layer, so a prompt of a few hundred tokens is really sparse;
+    layers mix sparse and full attention, and dense and MoE MLPs.
+    """
+    return MiniMaxM3VLTextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=64,
+        dense_intermediate_size=256,
+        shared_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        rotary_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_block_size=16,
+        index_topk_blocks=4,
+        index_local_blocks=1,
+        layer_types=["minimax_m3_sparse", "full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def ensure_tiny_model(work_dir: Path) -> Path:
+    """Build the random model into ``work_dir/tiny-m3`` unless an up-to-date one is there."""
+    target = work_dir / TINY_DIR_NAME
+    marker = target / "m3_example.json"
+    if marker.is_file():
+        try:
+            if json.loads(marker.read_text()).get("recipe") == TINY_RECIPE:
+                return target
+        except (OSError, ValueError):
+            pass
+    work_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(TINY_SEED)
+    model = MiniMaxM3VLForCausalLM(tiny_config()).eval()
+    with torch.no_grad():
+        # RMSNorm weights start at zero (a unit gain); random gains make the
+        # per-head norms, and so the index scores, differ between heads.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    # Build beside the target and rename, so that two runs sharing a work dir
+    # never load a half-written checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-", dir=work_dir))
+    model.save_pretrained(staging)
+    (staging / "m3_example.json").write_text(json.dumps({"recipe": TINY_RECIPE, "seed": TINY_SEED}) + "\n")
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-old-", dir=work_dir))
+        os.replace(target, old / TINY_DIR_NAME)
+    try:
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "m3_example.json").is_file():  # not a concurrent build that won the race
+            raise
+    return target
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
+def load_model(path: Path, device: torch.device, dtype: torch.dtype):
+    config = AutoConfig.from_pretrained(path)
+    # A multimodal checkpoint has no causal-LM auto class; its generate() runs text-only prompts.
+    auto_cls = AutoModelForImageTextToText if config.model_type == "minimax_m3_vl" else AutoModelForCausalLM
+    model = auto_cls.from_pretrained(path, attn_implementation="m3_sparse", dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path):
+    has_files = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if not has_files:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure means "encode bytes instead"
+        print(f"note: could not load the tokenizer in {path} ({exc}); encoding prompts byte by byte")
+        return None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+# ---------------------------------------------------------------------------------------
+# prompts
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    rows: list[list[int]]  # the real tokens of each row, unpadded
+    input_ids: torch.Tensor  # [B, S], left padded
+    attention_mask: torch.Tensor  # [B, S]
+
+
+def make_prompts(args, tokenizer, vocab_size: int, special: set[int]) -> list[list[int]]:
+    if args.prompt is not None or (tokenizer is not None and args.prompt_tokens is None):
+        text = args.prompt if args.prompt is not None else DEFAULT_TEXT_PROMPT
+        if tokenizer is not None:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        else:
+            ordinary = [i for i in range(vocab_size) if i not in special]
+            ids = [ordinary[b % len(ordinary)] for b in text.encode("utf-8")]
+        if not ids:
+            raise SystemExit("error: the prompt encodes to no tokens")
+        return [list(ids) for _ in range(args.batch_size)]
+
+    n = args.prompt_tokens if args.prompt_tokens is not None else DEFAULT_RANDOM_PROMPT_TOKENS
+    if n <= 0:
+        raise SystemExit("error: --prompt-tokens must be positive")
+    ordinary = torch.tensor([i for i in range(vocab_size) if i not in special])
+    gen = torch.Generator().manual_seed(args.seed)
+    # Rows of different lengths exercise the left padding of a batch.
+    step = max(1, n // (4 * args.batch_size))
+    rows = []
+    for b in range(args.batch_size):
+        length = max(1, n - b * step)
+        rows.append(ordinary[torch.randint(len(ordinary), (length,), generator=gen)].tolist())
+    return rows
+
+
+def pad_left(rows: list[list[int]], pad_id: int) -> Batch:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return Batch(rows, ids, mask)
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------
+class StepClock(BaseStreamer):
+    """generate() hands a streamer the prompt before the prefill and then each step's
+    tokens (already copied to the host), so the stamps bracket prefill and decode."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def generated_counts(new_tokens: torch.Tensor, eos_ids: list[int]) -> list[int]:
+    """Tokens each row really generated: up to and including its first EOS."""
+    counts = []
+    for row in new_tokens.tolist():
+        n = len(row)
+        for i, tok in enumerate(row):
+            if tok in eos_ids:
+                n = i + 1
+                break
+        counts.append(n)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------
+# comparison with sdpa
+# ---------------------------------------------------------------------------------------
+def _prefill_logits_m3(model, batch: Batch, device: torch.device) -> torch.Tensor:
+    """Prefill logits through an explicit M3PagedCache, with the positions generate() uses."""
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    cache = M3PagedCache(model.config, ids.shape[0], ids.shape[1], device=device, dtype=model.dtype)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return out.logits.float()
+
+
+def compare_with_sdpa(model, batch: Batch, new_tokens: torch.Tensor, gen_kwargs: dict, device, tol: float) -> bool:
+    """Check m3_sparse against sdpa on the same weights, row by row.
+
+    Each row is rerun alone and unpadded with sdpa: transformers' dense-mask
+    indexer anchors blocks to key slots, so only an unpadded row is a faithful
+    reference for a left-padded batch.
+    """
+    width = batch.input_ids.shape[1]
+    m3_logits = _prefill_logits_m3(model, batch, device)
+    ok = True
+    model.set_attn_implementation("sdpa")
+    try:
+        for b, row in enumerate(batch.rows):
+            ids = torch.tensor([row], device=device)
+            with torch.no_grad():
+                ref_logits = model(input_ids=ids).logits.float()[0]
+            got = m3_logits[b, width - len(row) :]
+            scale = max(1.0, ref_logits.abs().max().item())
+            err = (got - ref_logits).abs().max().item()
+            if err <= tol * scale:
+                print(f"  row {b}: prefill logits close: max |m3_sparse - sdpa| = {err:.3g} (bound {tol * scale:.3g})")
+            else:
+                ok = False
+                print(f"  row {b}: DISAGREE: prefill logits differ by {err:.3g} > bound {tol * scale:.3g}")
+
+            ref = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                output_scores=True,
+                return_dict_in_generate=True,
+                **gen_kwargs,
+            )
+            ref_new = ref.sequences[0, len(row) :].tolist()
+            mine = new_tokens[b, : len(ref_new)].tolist()
+            # A row that stopped before the rest of its batch is padded to the batch's length.
+            tail_is_pad = bool((new_tokens[b, len(ref_new) :] == gen_kwargs["pad_token_id"]).all())
+            if mine == ref_new and tail_is_pad:
+                print(f"  row {b}: generated tokens identical ({len(ref_new)} tokens)")
+                continue
+            step = next((i for i, (x, y) in enumerate(zip(mine, ref_new)) if x != y), len(ref_new))
+            if step < len(ref_new):
+                scores = ref.scores[step][0].float()
+                margin = (scores[ref_new[step]] - scores[mine[step]]).item()
+                bound = tol * max(1.0, scores[torch.isfinite(scores)].abs().max().item())
+                if abs(margin) <= bound:
+                    print(
+                        f"  row {b}: tokens agree up to step {step}, where sdpa's logits for the two candidates "
+                        f"({ref_new[step]} vs m3_sparse's {mine[step]}) differ by only {margin:.3g} <= {bound:.3g}: "
+                        "a near tie within numerical tolerance, not a disagreement"
+                    )
+                    continue
+                detail = f"sdpa chose {ref_new[step]}, m3_sparse {mine[step]}, sdpa logit margin {margin:.3g}"
+            else:
+                detail = f"sdpa stopped after {len(ref_new)} tokens, m3_sparse went on"
+            ok = False
+            print(f"  row {b}: DISAGREE: generated tokens differ from step {step} ({detail})")
+            print(f"    m3_sparse: {mine}")
+            print(f"    sdpa:      {ref_new}")
+    finally:
+        model.set_attn_implementation("m3_sparse")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Greedy generation with a MiniMax M3 model on attn_implementation='m3_sparse'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local M3 checkpoint directory; by default a small random-weight M3 text model is built in --work-dir",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=DEFAULT_WORK_DIR,
+        help=f"where the random model is built and kept (as {TINY_DIR_NAME}/)",
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="prompt text (without a tokenizer: one token per UTF-8 byte, skipping special ids)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help=f"use a random prompt of N tokens instead (default without a tokenizer: {DEFAULT_RANDOM_PROMPT_TOKENS}); "
+        "with --batch-size > 1 row b is shorter by b*N/(4*batch) tokens, so the batch is left padded",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument(
+        "--compare-sdpa",
+        action="store_true",
+        help="rerun with attn_implementation='sdpa' on the same weights; exit 1 unless the generated tokens "
+        "are identical and the prefill logits close",
+    )
+    p.add_argument(
+        "--logit-tol",
+        type=float,
+        default=None,
+        help="--compare-sdpa bound on |logit difference| relative to max(1, largest |logit|) "
+        "(default: 1e-4 for fp32, 5e-2 for bf16, 1e-2 for fp16)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--no-warmup", action="store_true", help="time the first generate() call (import and first-call costs included)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        p.error("--max-new-tokens must be positive")
+    if args.batch_size <= 0:
+        p.error("--batch-size must be positive")
+    if args.prompt is not None and args.prompt_tokens is not None:
+        p.error("--prompt and --prompt-tokens are mutually exclusive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tol = args.logit_tol if args.logit_tol is not None else DEFAULT_LOGIT_TOL[dtype]
+
+    random_model = args.model is None
+    path = ensure_tiny_model(args.work_dir.expanduser()) if random_model else args.model.expanduser()
+    if not path.is_dir():
+        print(f"error: --model {path}: not a directory", file=sys.stderr)
+        return 2
+    model = load_model(path, device, dtype)
+    tokenizer = None if random_model else load_tokenizer(path)
+    text_cfg = model.config.get_text_config(decoder=True)
+
+    eos_ids = _ids(model.generation_config.eos_token_id) or _ids(text_cfg.eos_token_id)
+    pad_id = model.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = text_cfg.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else None
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    special = {pad_id, *eos_ids, *_ids(text_cfg.bos_token_id)}
+
+    rows = make_prompts(args, tokenizer, text_cfg.vocab_size, special)
+    batch = pad_left(rows, pad_id)
+    gen_kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
+    if pad_id not in eos_ids:
+        # A generated pad id would read as padding to generate(); keep it out of greedy picks.
+        gen_kwargs["suppress_tokens"] = [pad_id]
+    if random_model:
+        gen_kwargs["min_new_tokens"] = args.max_new_tokens  # a random model's EOS would only shorten the timing
+
+    layer_types = list(getattr(text_cfg, "layer_types", None) or [])
+    n_sparse = sum(t == "minimax_m3_sparse" for t in layer_types)
+    block, topk = text_cfg.index_block_size, text_cfg.index_topk_blocks
+    width = batch.input_ids.shape[1]
+    print(f"model: {path}{' (random weights)' if random_model else ''}, {type(model).__name__}")
+    print(
+        f"  {len(layer_types)} layers, {n_sparse} sparse (index block {block}, top-{topk}: at most {block * topk} keys "
+        f"per query), attn_implementation={text_cfg._attn_implementation}"
+    )
+    print(f"device: {device}, dtype: {str(dtype).removeprefix('torch.')}, tokenizer: {'yes' if tokenizer else 'no'}")
+    print(f"prompt: batch {len(rows)}, lengths {[len(r) for r in rows]} (left padded to {width})")
+
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    if not args.no_warmup:
+        warm = dict(gen_kwargs, max_new_tokens=min(2, args.max_new_tokens))
+        warm.pop("min_new_tokens", None)
+        model.generate(input_ids=ids, attention_mask=mask, **warm)
+
+    clock = StepClock(device)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, streamer=clock, **gen_kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    total_s = time.perf_counter() - t0
+    new_tokens = out[:, width:].cpu()
+
+    print("generated token ids:")
+    for b, row in enumerate(new_tokens.tolist()):
+        print(f"  row {b}: {row}")
+        if tokenizer is not None:
+            print(f"  row {b} text: {tokenizer.decode(row, skip_special_tokens=True)!r}")
+
+    counts = generated_counts(new_tokens, eos_ids)
+    prompt_tokens = sum(len(r) for r in rows)
+    generated = sum(counts)
+    prefill_s = clock.stamps[1] - clock.stamps[0] if len(clock.stamps) > 1 else total_s
+    decode_steps = max(0, len(clock.stamps) - 2)
+    decode_s = clock.stamps[-1] - clock.stamps[1] if decode_steps else 0.0
+    decode_tokens = max(0, generated - len(rows)) if decode_steps else 0
+    print(f"prefill: {prefill_s * 1e3:.1f} ms for {prompt_tokens} prompt tokens ({prompt_tokens / prefill_s:.1f} tok/s)")
+    if decode_s > 0:
+        print(
+            f"decode: {decode_tokens} tokens in {decode_steps} steps, {decode_s * 1e3:.1f} ms: "
+            f"{decode_tokens / decode_s:.1f} tokens/s"
+        )
+    else:
+        print("decode: no decode step (one new token)")
+    print(
+        f"total: {generated} generated tokens in {total_s:.3f} s (prefill included): {generated / total_s:.1f} tokens/s; "
+        f"prompt + generated: {(prompt_tokens + generated) / total_s:.1f} tokens/s"
+    )
+
+    if args.compare_sdpa:
+        print(f"comparing with attn_implementation='sdpa' (logit bound {tol:g} x max(1, |logit|)):")
+        if not compare_with_sdpa(model, batch, new_tokens, gen_kwargs, device, tol):
+            print("FAIL: m3_sparse and sdpa disagree", file=sys.stderr)
+            print("compare-sdpa: DISAGREE")
+            return 1
+        print("compare-sdpa: AGREE (generated tokens and prefill logits match sdpa)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

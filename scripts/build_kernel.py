@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Generate the noarch kernel variants in ``build/`` from ``torch-ext/``.
+
+This stands in for kernel-builder on a pure-Python (``[torch-noarch]``) kernel:
+``build.toml`` names the kernel and its backends, and for every backend ``B``
+this writes ``build/torch-B/`` holding
+
+* every ``.py`` file of ``torch-ext/<python name>/``, at the variant's top level
+  (the layout ``kernels.get_local_kernel`` imports: ``build/torch-B/__init__.py``);
+* ``_ops.py`` with ``NAMESPACE`` rewritten to the build id, so that two builds
+  loaded into one process never share a ``torch.ops`` namespace;
+* ``metadata.json`` (name, id, version, license, python-depends, backend).
+
+``build/`` is owned by this script: generating replaces it as a whole, and
+``--check`` fails on anything in it that generating would not produce (the
+loader would otherwise be free to pick a stale variant). Python bytecode caches
+are ignored, since importing a variant writes them.
+
+Usage::
+
+    python scripts/build_kernel.py           # (re)generate build/
+    python scripts/build_kernel.py --check   # exit 1 when build/ is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        tomllib = None  # type: ignore[assignment]
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_DIR_NAME = "build"
+SOURCE_SUFFIXES = (".py",)
+HASH_HEX_CHARS = 10
+# The builder emits ids such as `_relu_cuda_<hash>`; the backend is part of it
+# because a CUDA process may load both the cuda variant and (backend="cpu") the
+# cpu variant, and each must get its own module name and op namespace.
+ID_TEMPLATE = "_{python_name}_{backend}_{digest}"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _read_config(root: Path) -> dict:
+    path = root / "build.toml"
+    if tomllib is None:
+        raise BuildError("reading build.toml needs Python >= 3.11 (tomllib) or the `tomli` package")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BuildError(f"{path} not found") from None
+    general = data.get("general")
+    if not isinstance(general, dict):
+        raise BuildError(f"{path}: missing [general]")
+    if general.get("edition") != 5:
+        raise BuildError(f"{path}: this script implements build.toml edition 5, got {general.get('edition')!r}")
+    if "torch-noarch" not in data:
+        raise BuildError(f"{path}: only pure-Python kernels ([torch-noarch]) can be built by this script")
+    name = general.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][-a-z0-9]*[a-z0-9]", name):
+        raise BuildError(f"{path}: [general] name must match ^[a-z][-a-z0-9]*[a-z0-9]$, got {name!r}")
+    backends = general.get("backends")
+    if not backends or not all(isinstance(b, str) for b in backends) or len(set(backends)) != len(backends):
+        raise BuildError(f"{path}: [general] backends must be a non-empty list of distinct names, got {backends!r}")
+    version = general.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BuildError(f"{path}: [general] version must be an int, got {version!r}")
+    license_ = general.get("license")
+    if not isinstance(license_, str):
+        raise BuildError(f"{path}: [general] license must be a string, got {license_!r}")
+    noarch = data["torch-noarch"]
+    cuda_general = general.get("cuda", {})
+    return {
+        "name": name,
+        "python_name": name.replace("-", "_"),
+        "version": version,
+        "license": license_,
+        "backends": sorted(backends),
+        "python_depends": list(general.get("python-depends", [])),
+        "cuda_python_depends": list(cuda_general.get("python-depends", [])),
+        "archs": {
+            "cuda": noarch.get("cuda_capabilities"),
+            "rocm": noarch.get("rocm_archs"),
+        },
+    }
+
+
+def _read_sources(src_dir: Path) -> dict[str, bytes]:
+    if not (src_dir / "__init__.py").is_file():
+        raise BuildError(f"{src_dir}/__init__.py not found")
+    files: dict[str, bytes] = {}
+    for path in sorted(src_dir.rglob("*")):
+        rel = path.relative_to(src_dir)
+        if not path.is_file() or "__pycache__" in rel.parts or path.suffix not in SOURCE_SUFFIXES:
+            continue
+        files[rel.as_posix()] = path.read_bytes()
+    return files
+
+
+def _digest(sources: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(sources):
+        data = sources[rel]
+        # Length-prefixed so that moving bytes between a name and a body, or
+        # between two files, changes the digest.
+        h.update(f"{len(rel)}:{rel}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()[:HASH_HEX_CHARS]
+
+
+def _rewrite_ops(ops_src: bytes, python_name: str, build_id: str) -> bytes:
+    text = ops_src.decode("utf-8")
+    pattern = re.compile(rf'^NAMESPACE = "_{re.escape(python_name)}"$', re.MULTILINE)
+    text, count = pattern.subn(f'NAMESPACE = "{build_id}"', text)
+    if count != 1:
+        raise BuildError(
+            f'_ops.py: expected exactly one line `NAMESPACE = "_{python_name}"` to rewrite, found {count}'
+        )
+    return text.encode("utf-8")
+
+
+def _metadata(config: dict, backend: str, build_id: str) -> bytes:
+    backend_info: dict = {"type": backend}
+    archs = config["archs"].get(backend)
+    if archs:
+        backend_info["archs"] = list(archs)
+    depends = config["python_depends"] + (config["cuda_python_depends"] if backend == "cuda" else [])
+    meta = {
+        "backend": backend_info,
+        "id": build_id,
+        "license": config["license"],
+        "name": config["name"],
+        "python-depends": depends,
+        "version": config["version"],
+    }
+    data = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    _validate_metadata(data)
+    return data
+
+
+def _validate_metadata(data: bytes) -> None:
+    # The loader's own parser is the authority on the format; it is only
+    # present once `kernels` is installed, which generating does not require.
+    try:
+        from kernels_data import Metadata
+    except ImportError:
+        return
+    try:
+        Metadata.from_bytes(data)
+    except ValueError as e:
+        raise BuildError(f"generated metadata.json is rejected by kernels_data: {e}") from None
+
+
+def generate(root: Path = ROOT) -> dict[str, dict[str, bytes]]:
+    """Return ``{variant dir name: {relative path: bytes}}`` for ``build/``."""
+    config = _read_config(root)
+    sources = _read_sources(root / "torch-ext" / config["python_name"])
+    if "_ops.py" not in sources:
+        raise BuildError(f"torch-ext/{config['python_name']}/_ops.py not found")
+    digest = _digest(sources)
+    variants: dict[str, dict[str, bytes]] = {}
+    for backend in config["backends"]:
+        build_id = ID_TEMPLATE.format(python_name=config["python_name"], backend=backend, digest=digest)
+        files = dict(sources)
+        files["_ops.py"] = _rewrite_ops(sources["_ops.py"], config["python_name"], build_id)
+        if "metadata.json" in files:
+            raise BuildError("torch-ext must not contain metadata.json; it is generated")
+        files["metadata.json"] = _metadata(config, backend, build_id)
+        variants[f"torch-{backend}"] = files
+    return variants
+
+
+def _is_cache(rel: Path) -> bool:
+    return "__pycache__" in rel.parts or rel.suffix in (".pyc", ".pyo")
+
+
+def _actual_files(build_dir: Path) -> tuple[dict[str, Path], list[str]]:
+    files: dict[str, Path] = {}
+    odd: list[str] = []
+    for path in sorted(build_dir.rglob("*")):
+        rel = path.relative_to(build_dir)
+        if _is_cache(rel):
+            continue
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            odd.append(rel.as_posix())
+        elif path.is_file():
+            files[rel.as_posix()] = path
+    return files, odd
+
+
+def check(root: Path = ROOT) -> list[str]:
+    """Differences between ``build/`` and what :func:`generate` produces (empty: in sync)."""
+    expected = {
+        f"{variant}/{rel}": data for variant, files in generate(root).items() for rel, data in files.items()
+    }
+    build_dir = root / BUILD_DIR_NAME
+    if not build_dir.is_dir():
+        return [f"{BUILD_DIR_NAME}/ does not exist"]
+    actual, odd = _actual_files(build_dir)
+    problems = [f"not a regular file: {BUILD_DIR_NAME}/{rel}" for rel in odd]
+    for rel in sorted(expected.keys() - actual.keys()):
+        problems.append(f"missing: {BUILD_DIR_NAME}/{rel}")
+    for rel in sorted(actual.keys() - expected.keys()):
+        problems.append(f"unexpected: {BUILD_DIR_NAME}/{rel}")
+    for rel in sorted(expected.keys() & actual.keys()):
+        if actual[rel].read_bytes() != expected[rel]:
+            problems.append(f"differs: {BUILD_DIR_NAME}/{rel}")
+    return problems
+
+
+def write(root: Path = ROOT) -> dict[str, dict[str, bytes]]:
+    variants = generate(root)
+    build_dir = root / BUILD_DIR_NAME
+    # Assemble next to build/ and swap it in, so that a failure halfway never
+    # leaves a half-written variant for the loader to pick up.
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        for variant, files in variants.items():
+            for rel, data in files.items():
+                out = tmp / variant / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        if build_dir.exists():
+            shutil.rmtree(build_dir)
+        tmp.rename(build_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="do not write; exit 1 if build/ differs from what the sources generate",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.check:
+            problems = check(ROOT)
+            if problems:
+                shown = problems[:20]
+                more = len(problems) - len(shown)
+                print(
+                    f"build_kernel.py --check: {BUILD_DIR_NAME}/ is out of sync with torch-ext/ and build.toml:",
+                    file=sys.stderr,
+                )
+                for p in shown:
+                    print(f"  {p}", file=sys.stderr)
+                if more:
+                    print(f"  ... and {more} more", file=sys.stderr)
+                print("Regenerate it with: python scripts/build_kernel.py", file=sys.stderr)
+                return 1
+            print(f"build_kernel.py --check: {BUILD_DIR_NAME}/ is in sync")
+            return 0
+        variants = write(ROOT)
+    except BuildError as e:
+        print(f"build_kernel.py: error: {e}", file=sys.stderr)
+        return 2
+    for variant, files in variants.items():
+        build_id = json.loads(files["metadata.json"])["id"]
+        print(f"wrote {BUILD_DIR_NAME}/{variant}/ ({len(files)} files, id {build_id})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Shared helpers for the m3_sparse kernel tests.
+
+The kernel package is not installed (the kernels loader reads it from build/), so
+the sources in torch-ext/ are put on sys.path here.
+
+Test modules import the helpers as ``kernel_test_utils``: several conftest.py
+files may live in this tree without packages, and ``import conftest`` would be
+ambiguous between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+TORCH_EXT = Path(__file__).resolve().parents[2] / "torch-ext"
+if str(TORCH_EXT) not in sys.path:
+    sys.path.insert(0, str(TORCH_EXT))
+
+sys.modules.setdefault("kernel_test_utils", sys.modules[__name__])
+
+import m3_sparse  # noqa: E402,F401  (fail at collection if the package is broken)
+
+# Allowed relative RMS error ||out - ref|| / ||ref|| against the float64 oracles.
+# The oracles read the same (already rounded) inputs, so only the implementation's
+# own rounding counts: fp32 accumulation, and for bf16/fp16 the partials and the
+# output stored in the input dtype.
+TOLERANCES = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-2,
+    torch.float16: 2e-3,
+}
+
+# Value written into cache slots that hold no token of any sequence and into pages
+# that no sequence uses. Large enough that reading it by mistake wrecks the result
+# (a garbage key dominates a softmax or a block max), finite so that correctly
+# masked reads multiply it by exactly zero.
+GARBAGE = 1.0e3
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, ratio: float) -> None:
+    """Fail unless ``||out - ref|| / ||ref|| <= ratio`` over the finite entries of ``ref``.
+
+    Non-finite reference entries (an lse of -inf) must be matched exactly. A NaN
+    in ``out`` fails whatever the ratio.
+    """
+    assert tuple(out.shape) == tuple(ref.shape), f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    r = ref.detach().to("cpu", torch.float64)
+    o = out.detach().to("cpu", torch.float64)
+    if torch.isnan(r).any():
+        pytest.fail(f"{name}: the reference itself holds NaN (test bug)")
+    nan = torch.isnan(o)
+    if nan.any():
+        first = tuple(int(i) for i in torch.nonzero(nan)[0])
+        pytest.fail(f"{name}: {int(nan.sum())} NaN value(s) in the output, first at index {first}")
+    fin = torch.isfinite(r)
+    bad = (~fin) & (o != r)
+    if bad.any():
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        pytest.fail(f"{name}: reference {float(r[first])} at {first} (non-finite) but got {float(o[first])}")
+    bad = fin & ~torch.isfinite(o)
+    if bad.any():
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        pytest.fail(f"{name}: non-finite output {float(o[first])} at {first}, reference {float(r[first])}")
+    r, o = r[fin], o[fin]
+    err = float(torch.linalg.vector_norm(o - r))
+    norm = float(torch.linalg.vector_norm(r))
+    rel = err / norm if norm > 0 else err
+    if not rel <= ratio:
+        diff = (o - r).abs()
+        worst = int(diff.argmax()) if diff.numel() else -1
+        detail = f"; worst flat index {worst}: ref {float(r[worst]):.6g}, got {float(o[worst]):.6g}" if worst >= 0 else ""
+        pytest.fail(f"{name}: relative RMS error {rel:.3e} exceeds {ratio:.1e} (||ref|| = {norm:.4g}){detail}")
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with a value no correct code path produces and return it:
+    NaN for floating tensors, the dtype's minimum for integer ones."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+    return t
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Make ``torch.empty``/``torch.empty_like`` return poisoned tensors while active,
+    so an output element the code under test forgets to write is visible."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def empty(*args, **kwargs):
+        return poison(real_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):
+        return poison(real_empty_like(*args, **kwargs))
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+def is_poisoned(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return torch.isnan(t)
+    return t == torch.iinfo(t.dtype).min
+
+
+@dataclass
+class PagedBatch:
+    """A varlen batch over a paged cache: sequence ``b`` has ``kv_lens[b]`` cached
+    tokens, the last ``q_lens[b]`` of which are this call's queries."""
+
+    kv_lens: list[int]
+    q_lens: list[int]
+    page_size: int
+    num_pages: int
+    block_tables: torch.Tensor  # [B, W] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    used_kv_lens: torch.Tensor  # [B] int32
+    written: torch.Tensor  # [num_pages, page_size] bool: the slot holds a token of some sequence
+
+    @property
+    def batch(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def capacity(self) -> int:
+        return self.block_tables.shape[1] * self.page_size
+
+    def tokens(self):
+        """Yield (seq, token row, absolute position) of every query token."""
+        t = 0
+        for b, (kv, n) in enumerate(zip(self.kv_lens, self.q_lens)):
+            for i in range(n):
+                yield b, t, kv - n + i
+                t += 1
+
+    def kwargs(self) -> dict:
+        return {"cu_seqlens_q": self.cu_seqlens_q, "used_kv_lens": self.used_kv_lens}
+
+    def _fill(self, x: torch.Tensor, unwritten: torch.Tensor, value: float) -> torch.Tensor:
+        return x.masked_fill(unwritten, value)
+
+    def place(self, cache: torch.Tensor, rows: list[torch.Tensor], head_axis: bool = False) -> torch.Tensor:
+        """Write sequence ``b``'s logical rows ``rows[b]`` ([kv_len, ...], or
+        [heads, kv_len, D] with ``head_axis``) into a copy of ``cache`` through the
+        block table."""
+        cache = cache.clone()
+        ps = self.page_size
+        for b, kv in enumerate(self.kv_lens):
+            for j in range(0, kv, ps):
+                page = int(self.block_tables[b, j // ps])
+                n = min(ps, kv - j)
+                if head_axis:
+                    cache[page, :, :n] = rows[b][:, j : j + n].to(cache.dtype)
+                else:
+                    cache[page, :n] = rows[b][j : j + n].to(cache.dtype)
+        return cache
+
+    def kv_cache(self, g, heads: int, dim: int, dtype=torch.float32, garbage: float = GARBAGE) -> torch.Tensor:
+        """[num_pages, heads, page_size, dim], ``garbage`` wherever no token lives."""
+        x = randn(g, self.num_pages, heads, self.page_size, dim)
+        return self._fill(x, ~self.written[:, None, :, None], garbage).to(dtype)
+
+    def index_cache(self, g, dim: int, dtype=torch.float32, garbage: float = GARBAGE) -> torch.Tensor:
+        """[num_pages, page_size, dim], ``garbage`` wherever no token lives."""
+        x = randn(g, self.num_pages, self.page_size, dim)
+        return self._fill(x, ~self.written[:, :, None], garbage).to(dtype)
+
+
+def make_batch(
+    g: torch.Generator,
+    seqs: list[tuple[int, int]],
+    page_size: int,
+    *,
+    shuffle: bool = True,
+    extra_pages: int = 3,
+    extra_cols: int = 1,
+    pad: int | str = "pool",
+) -> PagedBatch:
+    """Lay out ``seqs`` = [(kv_len, q_len), ...] over a pool of pages.
+
+    ``shuffle`` hands the pages out in a random permutation (so that a kernel
+    ignoring the block table fails); ``pad`` fills block-table entries past each
+    sequence's pages: ``"pool"`` random in-pool pages, or a literal id such as -1.
+    """
+    kv_lens = [kv for kv, _ in seqs]
+    q_lens = [n for _, n in seqs]
+    assert all(0 <= n <= kv for kv, n in seqs)
+    need = [math.ceil(kv / page_size) for kv in kv_lens]
+    num_pages = sum(need) + extra_pages
+    width = max(max(need, default=0) + extra_cols, 1)
+    order = torch.randperm(num_pages, generator=g) if shuffle else torch.arange(num_pages)
+    tables = torch.empty(len(seqs), width, dtype=torch.int32)
+    written = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    nxt = 0
+    for b, kv in enumerate(kv_lens):
+        pages = order[nxt : nxt + need[b]]
+        nxt += need[b]
+        if pad == "pool":
+            fill = torch.randint(0, num_pages, (width,), generator=g, dtype=torch.int32)
+        else:
+            fill = torch.full((width,), int(pad), dtype=torch.int32)
+        tables[b] = fill
+        tables[b, : need[b]] = pages.to(torch.int32)
+        for j, p in enumerate(pages.tolist()):
+            written[p, : min(page_size, kv - j * page_size)] = True
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int64), 0).to(torch.int32)
+    return PagedBatch(
+        kv_lens=kv_lens,
+        q_lens=q_lens,
+        page_size=page_size,
+        num_pages=num_pages,
+        block_tables=tables,
+        cu_seqlens_q=cu,
+        used_kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        written=written,
+    )
+
+
+def random_selection(
+    g: torch.Generator,
+    batch: PagedBatch,
+    heads: int,
+    topk: int,
+    block_size: int,
+    *,
+    causal: bool = True,
+    empty_frac: float = 0.2,
+    dup_frac: float = 0.2,
+) -> torch.Tensor:
+    """Selections shaped like index_topk's but messier: the local block plus random
+    earlier blocks (causal) or any block of the sequence (non-causal), slots in a
+    random order, some slots emptied (-1) and some holding a repeated id."""
+    sel = torch.full((batch.num_tokens, heads, topk), -1, dtype=torch.int32)
+    for b, t, p in batch.tokens():
+        last = p // block_size
+        nb = last + 1 if causal else math.ceil(batch.kv_lens[b] / block_size)
+        for h in range(heads):
+            k = min(topk, nb)
+            if causal:
+                rest = torch.randperm(last, generator=g)[: k - 1] if last else torch.empty(0, dtype=torch.int64)
+                ids = torch.cat([torch.tensor([last]), rest])
+            else:
+                ids = torch.randperm(nb, generator=g)[:k]
+            row = torch.full((topk,), -1, dtype=torch.int64)
+            row[: ids.numel()] = ids
+            u = torch.rand(topk, generator=g)
+            row = torch.where(u < empty_frac, -1, row)
+            src = row[torch.randint(0, topk, (topk,), generator=g)]
+            row = torch.where((u >= empty_frac) & (u < empty_frac + dup_frac), src, row)
+            sel[t, h] = row[torch.randperm(topk, generator=g)].to(torch.int32)
+    return sel
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
