@@ -285,6 +285,7 @@ class M3PagedCache(Cache):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        self._text_config = text
         self.max_batch = batch_size
         self._max_cache_len = max_cache_len
         self.page_size = page_size
@@ -335,6 +336,12 @@ class M3PagedCache(Cache):
             self.block_tables = self.block_tables.to(device)
 
     def _reserve(self, layer: M3PagedLayer, new_tokens: int) -> None:
+        impl = getattr(self._text_config, "_attn_implementation", None)
+        if impl != "m3_sparse":
+            raise ValueError(
+                f"M3PagedCache holds paged K/V that only attn_implementation='m3_sparse' can read; the model "
+                f"runs {impl!r}. Load it with attn_implementation='m3_sparse' (after import m3_hf_attention)."
+            )
         if layer.slots_used + new_tokens > self.max_cache_len:
             raise ValueError(
                 f"M3PagedCache overflow: layer {layer.layer_idx} holds up to {layer.slots_used} tokens per sequence "

@@ -174,6 +174,12 @@ def m3_sparse_attention(
         if not causal and attention_mask is not None:
             raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
         if causal:
+            if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+                raise ValueError(
+                    f"m3_sparse: the key history holds {key.shape[2]} slots but the padding mask covers "
+                    f"{attention_mask.shape[-1]} tokens (a static cache?). Use m3_hf_attention.M3PagedCache, the "
+                    "paged static cache m3_sparse reads directly."
+                )
             _check_no_holes(attention_mask, q_len)
         k_pool, tables, cu, kv_lens = _contiguous_pages(key, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
         v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
@@ -232,11 +238,12 @@ def _prepare_cache_for_generation(original):
             is_active(self.config.get_text_config(decoder=True))
             and model_kwargs.get("past_key_values") is None
             and generation_config.use_cache is not False
-            and generation_config.cache_implementation is None
+            and generation_config.cache_implementation in (None, "static")
         ):
             rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
             model_kwargs["past_key_values"] = M3PagedCache(
-                self.config, rows, max_cache_length, device=self.device, dtype=self.dtype
+                self.config, rows, length, device=self.device, dtype=self.dtype
             )
             return None
         return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
