@@ -284,6 +284,8 @@ class M3PagedCache(Cache):
         for name, value in (("batch_size", batch_size), ("max_cache_len", max_cache_len), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if page_size not in (16, 32, 64, 128):
+            raise ValueError(f"page_size: expected one of (16, 32, 64, 128), got {page_size}")
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self._text_config = text
         self.max_batch = batch_size

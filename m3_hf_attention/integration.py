@@ -20,7 +20,7 @@ real (right padding).
 from __future__ import annotations
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
@@ -224,6 +224,13 @@ def m3_sparse_mask(
 ) -> torch.Tensor | None:
     """Mask function of ``m3_sparse``: causality and block selection live in the kernels,
     so only the 2-D padding mask travels on (``None`` when there is none)."""
+    if mask_function is not None and mask_function is not causal_mask_function:
+        # transformers composes extra rules (packed sequences, overlays) into mask_function;
+        # the kernels implement plain causal attention only.
+        raise ValueError(
+            "m3_sparse supports plain causal masks with padding; packed sequences (position_ids restarting "
+            "without an attention mask) and custom mask overlays are not supported. Pad the batch instead."
+        )
     mask = None if attention_mask is None else attention_mask.to(torch.bool)
     set_step_mask(mask)
     return mask

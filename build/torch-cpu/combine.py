@@ -11,7 +11,25 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, value_checks_enabled
+
 TOKEN_CHUNK = 256
+
+
+def validate_combine(partial_o, partial_m, partial_l, slot_of) -> None:
+    check_tensor("partial_o", partial_o, ndim=3, dtypes=FLOAT_DTYPES)
+    device = partial_o.device
+    rows = tuple(partial_o.shape[:2])
+    for name, t in (("partial_m", partial_m), ("partial_l", partial_l)):
+        check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=device)
+        if tuple(t.shape) != rows:
+            raise ValueError(f"{name}: expected shape {rows} (entries, heads per group of partial_o), got {tuple(t.shape)}")
+    check_tensor("slot_of", slot_of, ndim=3, dtypes=INDEX_DTYPES, device=device)
+    if value_checks_enabled(slot_of) and slot_of.numel():
+        lo, hi = int(slot_of.min()), int(slot_of.max())
+        if lo < -1 or hi >= rows[0]:
+            bad = lo if lo < -1 else hi
+            raise ValueError(f"slot_of: entry {bad} out of range; expected -1 or an entry in [0, {rows[0]})")
 
 
 def combine(
@@ -25,6 +43,7 @@ def combine(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
     (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None)."""
+    validate_combine(partial_o, partial_m, partial_l, slot_of)
     num_tokens, hkv, topk = slot_of.shape
     _, group, d = partial_o.shape
     device = partial_o.device

@@ -47,3 +47,15 @@ def gather_tokens(
     pos = pos.clamp(min=0)
     page = block_tables.to(torch.int64)[seq, pos // page_size]
     return cache[page, pos % page_size]
+
+
+def key_extent(kv_lens: torch.Tensor, capacity: int) -> int:
+    """How many key positions a streaming loop must cover.
+
+    On the CPU reading the longest sequence is free and saves looping over an
+    empty cache tail; on an accelerator that read would be a host sync, so the
+    loop covers the block-table capacity and masks.
+    """
+    if kv_lens.device.type == "cpu" and kv_lens.numel() > 0:
+        return max(1, min(capacity, int(kv_lens.max())))
+    return capacity

@@ -42,6 +42,8 @@ def max_tiles_for(capacity: int, num_segments: int, tile_q: int) -> int:
 def schedule(index: KVOuterIndex, *, tile_q: int, num_programs: int) -> Schedule:
     """Tile every segment into runs of at most ``tile_q`` entries and split the tiles
     evenly (by count, in order) over ``num_programs`` programs."""
+    if not isinstance(index, KVOuterIndex):
+        raise TypeError(f"index: expected a KVOuterIndex from build_kvouter_index, got {type(index).__name__}")
     check_positive_int("tile_q", tile_q)
     check_positive_int("num_programs", num_programs)
     device = index.seg_offsets.device

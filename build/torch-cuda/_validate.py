@@ -8,6 +8,7 @@ reading them is free, or everywhere when ``M3_SPARSE_DEBUG=1``.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -123,3 +124,40 @@ def check_selected_values(selected: torch.Tensor, max_blocks: int) -> None:
             f"selected: block id {bad} out of range; expected -1 (empty slot) or an id in "
             f"[0, {max_blocks}) (block table capacity in blocks)"
         )
+
+
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def check_kv(q, k_cache, v_cache, page_size):
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)} "
+            f"([pages, kv_heads, page_size, head_dim]), got {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"k_cache/v_cache: expected the dtype of q ({q.dtype}), got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    check_dim("k_cache", k_cache, 3, q.shape[2], "head dim (q.shape[2])")
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q/k_cache: the number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})"
+        )
+    if page_size is not None and k_cache.shape[2] != page_size:
+        raise ValueError(f"page_size: expected k_cache.shape[2] = {page_size}, got shape {tuple(k_cache.shape)}")
+    if k_cache.shape[2] not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"k_cache: page size {k_cache.shape[2]} is not supported; expected one of {SUPPORTED_PAGE_SIZES}")
+
+
+def check_scale(softmax_scale, d):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale!r}")
+    return float(softmax_scale)

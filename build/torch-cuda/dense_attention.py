@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import token_positions
+from .layout import key_extent, token_positions
 
 QUERY_CHUNK = 32
 KEY_CHUNK = 1024
@@ -38,7 +38,7 @@ def dense_paged_attention_torch(
     seq_all, pos_all = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)
     kv = used_kv_lens.to(torch.int64)
     bt = block_tables.to(torch.int64)
-    capacity = block_tables.shape[1] * page_size
+    capacity = key_extent(used_kv_lens, block_tables.shape[1] * page_size)
     for q0 in range(0, num_tokens, QUERY_CHUNK):
         q1 = min(q0 + QUERY_CHUNK, num_tokens)
         seq, pos = seq_all[q0:q1], pos_all[q0:q1]
@@ -52,10 +52,11 @@ def dense_paged_attention_torch(
             k1 = min(k0 + KEY_CHUNK, capacity)
             kpos = torch.arange(k0, k1, device=device)
             visible = kpos[None, :] < limit[:, None]  # [C, Kc]
-            page = bt[seq[:, None], kpos[None, :] // page_size]
+            # Never dereference table entries past a sequence's pages; zero invisible slots.
+            page = torch.where(visible, bt[seq[:, None], kpos[None, :] // page_size], 0)
             slot = (kpos % page_size)[None, :].expand_as(page)
-            k = k_cache.permute(0, 2, 1, 3)[page, slot].float()  # [C, Kc, Hkv, D]
-            v = v_cache.permute(0, 2, 1, 3)[page, slot].float()
+            k = k_cache.permute(0, 2, 1, 3)[page, slot].float().masked_fill(~visible[..., None, None], 0.0)
+            v = v_cache.permute(0, 2, 1, 3)[page, slot].float().masked_fill(~visible[..., None, None], 0.0)
             s = torch.einsum("chgd,ckhd->chgk", b_q, k) * softmax_scale
             s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))

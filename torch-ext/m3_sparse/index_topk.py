@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import FLOAT_DTYPES, check_dim, check_positive_int, check_tensor, check_varlen
-from .layout import gather_tokens, token_positions
+from ._validate import FLOAT_DTYPES, SUPPORTED_PAGE_SIZES, check_dim, check_positive_int, check_tensor, check_varlen
+from .layout import gather_tokens, key_extent, token_positions
 
 # Bound the working set: (queries per chunk) x (keys per chunk) token scores.
 QUERY_CHUNK = 64
@@ -28,6 +28,10 @@ def validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used
     device = index_q.device
     check_tensor("index_k_cache", index_k_cache, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check_dim("index_k_cache", index_k_cache, 2, index_q.shape[2], "index head dim (index_q.shape[2])")
+    if index_k_cache.shape[1] not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(
+            f"index_k_cache: page size {index_k_cache.shape[1]} is not supported; expected one of {SUPPORTED_PAGE_SIZES}"
+        )
     check_positive_int("topk", topk)
     check_positive_int("block_size", block_size)
     if not isinstance(local_blocks, int) or isinstance(local_blocks, bool) or not 0 <= local_blocks <= topk:
@@ -87,7 +91,7 @@ def index_topk(
     validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks)
     num_tokens, heads, _ = index_q.shape
     page_size = index_k_cache.shape[1]
-    capacity = block_tables.shape[1] * page_size
+    capacity = key_extent(used_kv_lens, block_tables.shape[1] * page_size)
     num_blocks = -(-capacity // block_size)
     out = torch.empty(num_tokens, heads, topk, dtype=torch.int32, device=index_q.device)
     if num_tokens == 0:

@@ -15,10 +15,44 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import check_kv, check_positive_int, check_scale, check_varlen
 from .kvouter_index import KVOuterIndex
 from .layout import token_positions
 
 ENTRY_CHUNK = 512
+
+
+def validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size):
+    check_kv(q, k_cache, v_cache, None)
+    if not isinstance(index, KVOuterIndex):
+        raise TypeError(f"index: expected a KVOuterIndex from build_kvouter_index, got {type(index).__name__}")
+    expected = (q.shape[0], k_cache.shape[1])
+    if tuple(index.slot_of.shape[:2]) != expected:
+        raise ValueError(
+            f"index: built for {tuple(index.slot_of.shape[:2])} (tokens, kv heads), expected {expected} "
+            "from q and k_cache"
+        )
+    if index.slot_of.device != q.device:
+        raise ValueError(f"index: expected tensors on {q.device}, got {index.slot_of.device}")
+    check_positive_int("block_size", block_size)
+    if softmax_scale is None:
+        raise ValueError("softmax_scale: expected a positive finite float, got None")
+    check_scale(softmax_scale, q.shape[2])
+    check_varlen(
+        cu_seqlens_q,
+        used_kv_lens,
+        block_tables,
+        num_tokens=q.shape[0],
+        page_size=k_cache.shape[2],
+        num_pages=k_cache.shape[0],
+        device=q.device,
+    )
+    max_blocks = -(-block_tables.shape[1] * k_cache.shape[2] // block_size)
+    if index.max_blocks != max_blocks:
+        raise ValueError(
+            f"index: built with max_blocks={index.max_blocks}, expected {max_blocks} "
+            "(block table capacity / block_size)"
+        )
 
 
 def kvouter_partials(
@@ -35,6 +69,7 @@ def kvouter_partials(
     block_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32)."""
+    validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size)
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     page_size = k_cache.shape[2]
@@ -68,10 +103,12 @@ def kvouter_partials(
         if causal:
             visible &= kpos <= pos_all[tok_c][:, None]
         kpos_c = kpos.clamp(max=capacity_tokens - 1)
-        page = bt[seq[:, None], kpos_c // page_size]
+        # Table entries past a sequence's pages may hold anything: never dereference them,
+        # and zero what an invisible slot holds (it may be NaN) so p = 0 cannot meet NaN.
+        page = torch.where(visible, bt[seq[:, None], kpos_c // page_size], 0)
         slot = kpos_c % page_size
-        k = k_cache[page, g[:, None], slot].float()  # [C, B, D]
-        v = v_cache[page, g[:, None], slot].float()  # [C, B, D]
+        k = k_cache[page, g[:, None], slot].float().masked_fill(~visible[..., None], 0.0)  # [C, B, D]
+        v = v_cache[page, g[:, None], slot].float().masked_fill(~visible[..., None], 0.0)  # [C, B, D]
         heads = g[:, None] * group + torch.arange(group, device=device)[None, :]
         b_q = q[tok_c[:, None], heads].float()  # [C, G, D]
         s = torch.einsum("cgd,cbd->cgb", b_q, k) * softmax_scale  # [C, G, B]

@@ -1,0 +1,149 @@
+"""Triton combine stage: merge each (token, head)'s partials through the reverse map.
+
+Same contract as :func:`combine.combine` (the oracle):
+
+    M = max_s m_s,  a_s = exp(m_s - M),  l = sum_s a_s l_s,
+    O = sum_s a_s O_s / l,  lse = M + log l
+
+Empty slots (``slot_of == -1``) and partials that saw no key (m = -inf) contribute
+nothing; a row with no key at all gets ``O = 0`` and ``lse = -inf``.
+
+One program per (block of tokens, kv head): rows are (token, head of the group)
+pairs, so a slot's G partial rows are one contiguous G x D read. The merge takes
+two passes over the slots: the row max first from the small m stats, then the O
+rows, whose loads are then independent of each other and can all be in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# Launch settings (the benchmark's --tune overrides them): rows (token x head pairs)
+# per program and warps.
+COMBINE_CONFIG = {"rows": 64, "num_warps": 4}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@triton.jit
+def _combine_kernel(
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    slot_ptr,
+    out_ptr,
+    lse_ptr,
+    num_tokens,
+    stride_st,
+    stride_sg,
+    stride_sk,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    TOPK: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    BR: tl.constexpr = BT * GP
+    pid_t = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_r = tl.arange(0, BR)
+    offs_d = tl.arange(0, BD)
+    tok = pid_t * BT + offs_r // GP
+    head = offs_r % GP
+    row_ok = (tok < num_tokens) & (head < G)
+    d_ok = offs_d < D
+    p_slot = slot_ptr + tok.to(tl.int64) * stride_st + g * stride_sg
+
+    b_mx = tl.full([BR], float("-inf"), tl.float32)
+    for k in tl.static_range(TOPK):
+        b_slot = tl.load(p_slot + k * stride_sk, mask=row_ok, other=-1)
+        b_m = tl.load(pm_ptr + b_slot.to(tl.int64) * G + head, mask=row_ok & (b_slot >= 0), other=float("-inf"))
+        b_mx = tl.maximum(b_mx, b_m)
+    empty = b_mx == float("-inf")
+    m_safe = tl.where(empty, 0.0, b_mx)
+
+    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    b_l = tl.zeros([BR], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        b_slot = tl.load(p_slot + k * stride_sk, mask=row_ok, other=-1)
+        live = row_ok & (b_slot >= 0)
+        p_row = b_slot.to(tl.int64) * G + head
+        b_m = tl.load(pm_ptr + p_row, mask=live, other=float("-inf"))
+        b_ls = tl.load(pl_ptr + p_row, mask=live, other=0.0)
+        b_o = tl.load(po_ptr + p_row[:, None] * D + offs_d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+        # exp2(-inf) = 0 drops empty slots and partials that saw no key.
+        b_a = tl.exp2((b_m - m_safe) * 1.4426950408889634)  # [BR]
+        b_l += b_a * b_ls
+        b_acc += b_a[:, None] * b_o.to(tl.float32)  # [BR, BD]
+
+    b_out = b_acc / tl.where(empty, 1.0, b_l)[:, None]
+    p_out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + (g * G + head).to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        b_lse = tl.where(empty, float("-inf"), b_mx + tl.log2(tl.where(empty, 1.0, b_l)) * 0.6931471805599453)
+        tl.store(lse_ptr + (g * G + head).to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+
+
+def combine_triton(
+    partial_o: torch.Tensor,
+    partial_m: torch.Tensor,
+    partial_l: torch.Tensor,
+    slot_of: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    return_lse: bool = False,
+    rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
+    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None)."""
+    num_tokens, hkv, topk = slot_of.shape
+    _, group, d = partial_o.shape
+    if not (partial_o.is_contiguous() and partial_m.is_contiguous() and partial_l.is_contiguous()):
+        raise ValueError("partial_o/partial_m/partial_l: expected contiguous tensors")
+    device = partial_o.device
+    out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
+    lse = torch.empty(hkv * group, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    if num_tokens == 0 or hkv == 0 or group == 0:
+        return out, lse
+    rows = COMBINE_CONFIG["rows"] if rows is None else rows
+    num_warps = COMBINE_CONFIG["num_warps"] if num_warps is None else num_warps
+    gp = _next_pow2(group)
+    bt = max(1, _next_pow2(rows) // gp)
+    bd = max(16, _next_pow2(d))
+    grid = (triton.cdiv(num_tokens, bt), hkv)
+    _combine_kernel[grid](
+        partial_o,
+        partial_m,
+        partial_l,
+        slot_of,
+        out,
+        lse if lse is not None else out,
+        num_tokens,
+        slot_of.stride(0),
+        slot_of.stride(1),
+        slot_of.stride(2),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        GP=gp,
+        TOPK=topk,
+        D=d,
+        BD=bd,
+        BT=bt,
+        RETURN_LSE=return_lse,
+        num_warps=num_warps,
+    )
+    return out, lse

@@ -1,0 +1,379 @@
+"""Triton KV-outer attention stage: raw partials of every index entry, driven by a Schedule.
+
+Same contract as :func:`kvouter_attention.kvouter_partials` (that torch version is
+the oracle): ``partial_o [E, G, D]`` in q's dtype, ``partial_m/partial_l [E, G]``
+fp32; a row that sees no key and every unused entry (past ``seg_offsets[-1]``)
+holds ``m = -inf, l = 0, o = 0``.
+
+One persistent program per slice ``[program_tiles[p], program_tiles[p + 1])`` of
+the schedule. Per tile (one segment = kv head g, sequence, block; up to TQ
+consecutive entries of it):
+
+* the K/V block is read once through the block table (a block may span pages or
+  share one);
+* the tile's queries are gathered head-packed: row ``i * GP + h`` is head
+  ``g * G + h`` of the i-th entry's token, so TQ tokens x G heads fill one
+  MMA tile of ``TQ * GP`` rows (GP = G rounded up to a power of two);
+* one softmax step over the block: no running max, no rescale;
+* the rows ``e * G + h`` of the tile's entries are consecutive rows of the
+  partial buffer, so the tile's output is one contiguous store.
+
+Partial offsets are 64-bit: at 32K+ tokens the buffer holds more than 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dim, check_positive_int, check_tensor, check_varlen
+from .kvouter_index import KVOuterIndex, build_kvouter_index
+from .scheduler import Schedule, schedule
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Rows per MMA tile: TQ tokens x GP heads. 128 matches Hopper's wgmma (two warpgroups
+# of 64 rows) for the tuned D = 128, B = 128 case.
+TILE_ROWS = 128
+# Launch settings of the partials kernel (the benchmark's --tune overrides them):
+# warps, software-pipelining depth, persistent programs per SM.
+ATTN_CONFIG = {"num_warps": 8, "num_stages": 2, "programs_per_sm": 1}
+# Rows of the unused tail that one program clears per step.
+FILL_ROWS = 64
+# Rows per program of the combine kernel.
+COMBINE_ROWS = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def group_pad(group: int) -> int:
+    return _next_pow2(group)
+
+
+def default_tile_q(group: int) -> int:
+    """Tokens per tile: enough to fill TILE_ROWS rows with GP heads each."""
+    return max(1, TILE_ROWS // group_pad(group))
+
+
+def _interpreting() -> bool:
+    return type(_kvouter_partials_kernel).__name__ == "InterpretedFunction"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def default_num_programs(device: torch.device) -> int:
+    """A persistent grid of one program per SM (host-known: no device read)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx] * ATTN_CONFIG["programs_per_sm"]
+
+
+@triton.jit
+def _kvouter_partials_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    entry_token_ptr,
+    seg_offsets_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    prog_tiles_ptr,
+    po_ptr,
+    pm_ptr,
+    pl_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ks,
+    stride_vp,
+    stride_vh,
+    stride_vs,
+    stride_bt,
+    num_segments,
+    nbg,
+    max_blocks,
+    bt_width,
+    capacity_rows,
+    num_programs,
+    qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    TQ: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    BM: tl.constexpr = TQ * GP
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_n = tl.arange(0, BS)
+    r_tok = offs_m // GP
+    r_head = offs_m % GP
+    d_ok = offs_d < D
+
+    t_lo = tl.load(prog_tiles_ptr + pid)
+    t_hi = tl.load(prog_tiles_ptr + pid + 1)
+    for tile in range(t_lo, t_hi):
+        seg = tl.load(tile_seg_ptr + tile)
+        e0 = tl.load(tile_start_ptr + tile)
+        e1 = tl.load(tile_end_ptr + tile)
+        g = seg // nbg
+        gb = seg - g * nbg
+        seq = gb // max_blocks
+        blk = gb - seq * max_blocks
+        kv_len = tl.load(kvlen_ptr + seq)
+        # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
+        pos_base = kv_len - tl.load(cu_ptr + seq + 1)
+
+        e_row = e0 + r_tok
+        row_ok = (e_row < e1) & (r_head < G)
+        tok = tl.load(entry_token_ptr + e_row, mask=row_ok, other=0)
+        p_q = q_ptr + (tok.to(tl.int64) * stride_qt + (g * G + r_head).to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
+        b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+
+        k_pos = blk * BS + offs_n
+        k_ok = k_pos < kv_len
+        page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
+        slot = k_pos % PS
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        p_k = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[:, None] + offs_d[None, :]
+        p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
+        b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
+        b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
+
+        if UPCAST:
+            b_q = b_q.to(tl.float32)
+            b_k = b_k.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
+        # Last visible key position per row; -1 for rows that see nothing.
+        row_pos = pos_base + tok
+        if CAUSAL:
+            lim = tl.minimum(row_pos, kv_len - 1)
+        else:
+            lim = tl.zeros_like(row_pos) + (kv_len - 1)
+        lim = tl.where(row_ok & (row_pos >= 0), lim, -1)
+        # Only the local block (or the sequence's last, partial block) needs the mask.
+        lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+        if blk * BS + BS - 1 > lim_min:
+            b_s = tl.where(k_pos[None, :] <= lim[:, None], b_s, float("-inf"))
+        b_m = tl.max(b_s, 1)  # [BM]
+        m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
+        b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
+        b_l = tl.sum(b_p, 1)  # [BM]
+        if UPCAST:
+            b_o = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+        else:
+            b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
+
+        o_row = e_row.to(tl.int64) * G + r_head
+        p_o = po_ptr + o_row[:, None] * D + offs_d[None, :]
+        tl.store(p_o, b_o.to(po_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
+        tl.store(pl_ptr + o_row, b_l, mask=row_ok)
+
+    # Unused entries (past seg_offsets[-1]) belong to no tile: the programs clear them
+    # grid-strided so the buffer never holds garbage.
+    used = tl.load(seg_offsets_ptr + num_segments).to(tl.int64)
+    row0 = used * G
+    n_rows = capacity_rows - row0
+    offs_f = tl.arange(0, FILL)
+    b_zero = tl.zeros([FILL, BD], dtype=po_ptr.dtype.element_ty)
+    for c in range(pid, (n_rows + FILL - 1) // FILL, num_programs):
+        rows = row0 + c * FILL + offs_f
+        ok = rows < row0 + n_rows
+        tl.store(po_ptr + rows[:, None] * D + offs_d[None, :], b_zero, mask=ok[:, None] & d_ok[None, :])
+        tl.store(pm_ptr + rows, tl.full([FILL], float("-inf"), tl.float32), mask=ok)
+        tl.store(pl_ptr + rows, tl.zeros([FILL], tl.float32), mask=ok)
+
+
+def kvouter_partials_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: KVOuterIndex,
+    sched: Schedule,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    block_size: int = 128,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32).
+
+    ``sched`` must come from ``schedule(index, tile_q=..., num_programs=...)``; its
+    ``tile_q`` may be anything up to ``TILE_ROWS // GP`` (smaller tiles are padded).
+    ``block_size`` must be a power of two >= 16 (an MMA dimension).
+    """
+    num_tokens, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    page_size = k_cache.shape[2]
+    group = hq // hkv
+    gp = group_pad(group)
+    cap = index.capacity
+    device = q.device
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size: the Triton kernel needs a power of two >= 16, got {block_size}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
+    tq = _next_pow2(max(sched.tile_q, -(-16 // gp)))
+    if tq * gp > 2 * TILE_ROWS:
+        raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
+    partial_o = torch.empty(cap, group, d, dtype=q.dtype, device=device)
+    partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
+    partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
+    if cap == 0:
+        return partial_o, partial_m, partial_l
+    bd = max(16, _next_pow2(d))
+    if num_warps is None:
+        num_warps = ATTN_CONFIG["num_warps"] if tq * gp >= 128 else 4
+    if num_stages is None:
+        num_stages = ATTN_CONFIG["num_stages"]
+    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
+    # rounded operands give the GPU kernel's result.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    grid = (sched.num_programs,)
+    _kvouter_partials_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        used_kv_lens,
+        index.entry_token,
+        index.seg_offsets,
+        sched.tile_segment,
+        sched.tile_start,
+        sched.tile_end,
+        sched.program_tiles,
+        partial_o,
+        partial_m,
+        partial_l,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        index.num_segments,
+        index.num_global_blocks,
+        index.max_blocks,
+        block_tables.shape[1],
+        cap * group,
+        sched.num_programs,
+        float(softmax_scale) * LOG2E,
+        G=group,
+        GP=gp,
+        TQ=tq,
+        D=d,
+        BD=bd,
+        BS=block_size,
+        PS=page_size,
+        CAUSAL=bool(causal),
+        PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
+        FILL=FILL_ROWS,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return partial_o, partial_m, partial_l
+
+
+def kvouter_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    block_size: int = 128,
+    return_lse: bool = False,
+    tile_q: int | None = None,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention, KV-outer, Triton stages: same arguments and results as
+    ``interface.kvouter_attention`` (index built in torch, partials and combine in Triton).
+
+    A repeated id in one (token, kv head) row counts once (the index builder drops it).
+    """
+    from .triton_combine import combine_triton
+
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=device)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    check_dim("k_cache", k_cache, 3, q.shape[2], "head dim (q.shape[2])")
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q/k_cache: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES, device=device)
+    check_dim("selected", selected, 0, q.shape[0], "query tokens (q.shape[0])")
+    check_dim("selected", selected, 1, hkv, "KV heads (k_cache.shape[1])")
+    check_positive_int("block_size", block_size)
+    page_size = k_cache.shape[2]
+    batch = check_varlen(
+        cu_seqlens_q,
+        used_kv_lens,
+        block_tables,
+        num_tokens=q.shape[0],
+        page_size=page_size,
+        num_pages=k_cache.shape[0],
+        device=device,
+    )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[2])
+    group = hq // hkv
+    if tile_q is None:
+        tile_q = default_tile_q(group)
+    if num_programs is None:
+        num_programs = default_num_programs(device)
+    max_blocks = -(-block_tables.shape[1] * page_size // block_size)
+    index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
+    sched = schedule(index, tile_q=tile_q, num_programs=num_programs)
+    partial_o, partial_m, partial_l = kvouter_partials_triton(
+        q,
+        k_cache,
+        v_cache,
+        index,
+        sched,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        block_size=block_size,
+    )
+    return combine_triton(partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse)

@@ -1,0 +1,566 @@
+"""Index branch on the GPU: streaming score + block max + top-k in Triton.
+
+Same contract as ``index_topk.index_topk`` (see that module): for every
+(query token, index head) row, the ``local_blocks`` blocks ending at
+``L = p // block_size`` are forced and the remaining ``topk - local_blocks``
+slots go to the best earlier blocks by max-pooled raw score, ties to the lower
+block id, ``-1`` in unused slots. Slot order: forced ids (``L, L-1, ..``), then
+the kept ids, then ``-1``.
+
+Work decomposition. The index queries ``[Tq, Hi, Di]`` are read as flat rows
+``token * Hi + head``: all index heads share the single index-key head, so the
+rows of a sequence are tiled together and every key tile is scored against all
+heads (and, in decode, all speculative tokens) of the sequence at once. A
+program owns one row tile of one sequence (tiles never straddle sequences; the
+tile -> sequence map is computed on the device from ``cu_seqlens_q``) and one
+split of that tile's candidate key range. It streams key tiles through the
+block table, scores them with ``tl.dot`` (fp32 accumulate), max-pools them to
+blocks and keeps a running top-(topk - local) per row in registers. Blocks
+arrive in increasing id order, so a block whose score only equals the worst kept
+one never displaces it: that is exactly "ties to the lower id".
+
+With one split (long prefill: enough row tiles to fill the GPU) the program
+writes the final selection. With several (decode, or a short chunk after a long
+cache) each split writes its local top list to a small workspace
+``[Tq * Hi, splits, KP]`` and ``_merge_kernel`` picks the global best; the
+global top set is a subset of the union of the local ones.
+
+Nothing reads device data on the host: the grid is sized from shapes
+(``Tq * Hi // BM + batch`` row tiles, an upper bound; programs without a tile
+exit) and the split count from the block-table capacity.
+
+fp8 index keys (``float8_e4m3fn`` cache plus a per-token fp32 scale
+``[pages, page_size]``): the query rows are quantized per row in the kernel
+(a positive per-row factor does not change a row's ranking, so it is never
+applied back), the dot runs in fp8 and each score column is multiplied by its
+key's scale.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .index_topk import validate_index_topk
+
+MAX_TOPK = 32
+# A row tile holds at most this many (token, head) rows; prefill uses it, decode
+# uses the smallest power of two >= the rows of one sequence (>= 16 for tl.dot).
+PREFILL_BM = 128
+# Programs to aim for when splitting key ranges (several per multiprocessor, so
+# that enough loads are in flight to keep HBM busy).
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 128
+FP8_DTYPES = tuple(
+    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e4m3fnuz", None)) if d is not None
+)
+
+NEG_INF = float("-inf")
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _seq_of_tile(cu_ptr, pid, batch, H: tl.constexpr, BM: tl.constexpr, BATCH_P2: tl.constexpr):
+    """(sequence, its first query token, its query count, tile index) of row tile
+    ``pid``; the sequence is ``batch`` for programs past the last tile."""
+    offs_b = tl.arange(0, BATCH_P2)
+    b_ok = offs_b < batch
+    cu_lo = tl.load(cu_ptr + offs_b, mask=b_ok, other=0)
+    cu_hi = tl.load(cu_ptr + offs_b + 1, mask=b_ok, other=0)
+    n_q = cu_hi - cu_lo
+    n_tiles = (n_q * H + BM - 1) // BM
+    tile_end = tl.cumsum(n_tiles, 0)
+    seq = tl.sum((tile_end <= pid).to(tl.int32), 0)
+    here = offs_b == seq
+    t_end = tl.sum(tl.where(here, tile_end, 0), 0)
+    q_lo = tl.sum(tl.where(here, cu_lo, 0), 0)
+    nq = tl.sum(tl.where(here, n_q, 0), 0)
+    # Tiles of one sequence are handed out last-rows-first: later rows see more
+    # keys, so the longest programs start earliest and the tail wave is short.
+    tile = t_end - 1 - pid
+    return seq, q_lo, nq, tile
+
+
+@triton.jit
+def _insert(vals, ids, cand, cid):
+    """Offer block ``cid`` (higher than every kept id) with score ``cand`` [BM] to
+    each row's kept list. vals/ids: [BM, KP]."""
+    worst_val = tl.min(vals, axis=1)
+    # Among equal worst scores the highest id is the one that loses the tie.
+    worst_id = tl.max(tl.where(vals == worst_val[:, None], ids, -2147483647), axis=1)
+    hit = (ids == worst_id[:, None]) & (cand > worst_val)[:, None]
+    vals = tl.where(hit, cand[:, None], vals)
+    ids = tl.where(hit, cid, ids)
+    return vals, ids
+
+
+@triton.jit
+def _score_chunk(
+    vals,
+    ids,
+    b_q,
+    k_ptr,
+    ks_ptr,
+    bt_row_ptr,
+    c,
+    key_hi,
+    cand_end,
+    stride_kp,
+    stride_ks,
+    stride_sp,
+    offs_d,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    CH: tl.constexpr,
+    TPB: tl.constexpr,
+    NBT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE: tl.constexpr,
+    SAME_PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Score key chunk ``c`` (CH keys = NBT blocks, or one block in TPB tiles)
+    and offer its blocks to the kept lists."""
+    if NBT == 1:
+        b_max1 = tl.full([BM], float("-inf"), tl.float32)
+    else:
+        b_maxn = tl.full([BM, NBT], float("-inf"), tl.float32)
+    for sub in tl.static_range(TPB):
+        k0 = c * CH + sub * BK
+        offs_k = k0 + tl.arange(0, BK)
+        if SAME_PAGE:
+            # The whole tile lies in one page: one table read, contiguous rows.
+            if MASKED:
+                page = tl.load(bt_row_ptr + k0 // PAGE, mask=k0 < key_hi, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row_ptr + k0 // PAGE).to(tl.int64)
+            slot = (k0 % PAGE) + tl.arange(0, BK)
+            p_k = k_ptr + page * stride_kp + slot[None, :] * stride_ks + offs_d[:, None]  # [D, BK]
+            if FP8:
+                p_s = ks_ptr + page * stride_sp + slot
+        else:
+            if MASKED:
+                page = tl.load(bt_row_ptr + offs_k // PAGE, mask=offs_k < key_hi, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row_ptr + offs_k // PAGE).to(tl.int64)
+            slot = offs_k % PAGE
+            p_k = k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + offs_d[:, None]  # [D, BK]
+            if FP8:
+                p_s = ks_ptr + page * stride_sp + slot
+        if MASKED:
+            k_ok = offs_k < key_hi
+            b_k = tl.load(p_k, mask=k_ok[None, :], other=0.0)
+            if FP8:
+                b_ks = tl.load(p_s, mask=k_ok, other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            if FP8:
+                b_ks = tl.load(p_s)
+        if DOT_FP32:
+            b_s = tl.dot(b_q, b_k.to(tl.float32), input_precision="ieee")  # [BM, BK]
+        else:
+            b_s = tl.dot(b_q, b_k)  # [BM, BK]
+        if FP8:
+            b_s = b_s * b_ks[None, :]
+        if MASKED:
+            b_s = tl.where(offs_k[None, :] < cand_end[:, None], b_s, float("-inf"))
+        if NBT == 1:
+            b_max1 = tl.maximum(b_max1, tl.max(b_s, axis=1))
+        else:
+            b_maxn = tl.maximum(b_maxn, tl.max(tl.reshape(b_s, [BM, NBT, BLOCK]), axis=2))
+    if NBT == 1:
+        vals, ids = _insert(vals, ids, b_max1, c)
+    else:
+        offs_n = tl.arange(0, NBT)
+        for i in tl.static_range(NBT):
+            cand = tl.max(tl.where(offs_n[None, :] == i, b_maxn, float("-inf")), axis=1)
+            vals, ids = _insert(vals, ids, cand, c * NBT + i)
+    return vals, ids
+
+
+@triton.jit
+def _write_selection(
+    out_ptr, grow, row_ok, nf, last, kept_ids, n_kept, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, KP: tl.constexpr
+):
+    """Row layout: forced ids L, L-1, .. (nf of them), the n_kept kept ids, -1."""
+    offs_t = tl.arange(0, TOPK_P2)
+    offs_p = tl.arange(0, KP)
+    p_o = out_ptr + grow.to(tl.int64)[:, None] * TOPK  # [BM, 1]
+    forced = offs_t[None, :] < nf[:, None]
+    tl.store(p_o + offs_t[None, :], last[:, None] - offs_t[None, :], mask=row_ok[:, None] & forced)
+    tl.store(p_o + nf[:, None] + offs_p[None, :], kept_ids, mask=row_ok[:, None] & (offs_p[None, :] < n_kept[:, None]))
+    pad = (offs_t[None, :] >= (nf + n_kept)[:, None]) & (offs_t[None, :] < TOPK)
+    tl.store(p_o + offs_t[None, :], tl.full([1, TOPK_P2], -1, tl.int32), mask=row_ok[:, None] & pad)
+
+
+@triton.jit
+def _index_topk_kernel(
+    q_ptr,
+    k_ptr,
+    ks_ptr,
+    bt_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    out_ptr,
+    ws_val_ptr,
+    ws_id_ptr,
+    stride_kp,
+    stride_ks,
+    stride_sp,
+    stride_bt,
+    batch,
+    num_splits,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    LOCAL: tl.constexpr,
+    NKEEP: tl.constexpr,
+    KP: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    CH: tl.constexpr,
+    TPB: tl.constexpr,
+    NBT: tl.constexpr,
+    SAME_PAGE: tl.constexpr,
+    BATCH_P2: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8: tl.constexpr,
+    FINAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    seq, q_lo, nq, tile = _seq_of_tile(cu_ptr, pid, batch, H, BM, BATCH_P2)
+    if seq >= batch:
+        return
+    kv_len = tl.load(kvlen_ptr + seq)
+
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    r = tile * BM + offs_m  # row of this sequence: token * H + head
+    row_ok = r < nq * H
+    grow = q_lo * H + r
+    pos = kv_len - nq + r // H
+    pos_ok = row_ok & (pos >= 0)
+    pos_c = tl.maximum(pos, 0)
+    last = pos_c // BLOCK
+    # Candidates are the blocks before the forced window; with LOCAL == 0 the
+    # query's own block competes, cut at the query.
+    cand_blocks = tl.maximum(last - LOCAL + 1, 0)
+    cand_end = tl.where(pos_ok, tl.minimum(cand_blocks * BLOCK, pos_c + 1), 0)
+    key_hi = tl.max(cand_end, 0)
+    key_all = tl.min(tl.where(row_ok, cand_end, 2147483647), 0)
+
+    n_chunks = (key_hi + CH - 1) // CH
+    per_split = (n_chunks + num_splits - 1) // num_splits
+    c0 = split * per_split
+    c1 = tl.minimum(c0 + per_split, n_chunks)
+    # Chunks below every row's candidate end need neither masks nor bounds.
+    c_full = tl.maximum(tl.minimum(key_all // CH, c1), c0)
+
+    p_q = q_ptr + grow.to(tl.int64)[:, None] * D + offs_d[None, :]
+    b_q = tl.load(p_q, mask=row_ok[:, None], other=0.0)  # [BM, D]
+    if FP8:
+        # Per-row scale to the e4m3 range; it multiplies a whole row of scores,
+        # so it never changes the row's ranking and is not applied back.
+        b_qf = b_q.to(tl.float32)
+        amax = tl.max(tl.abs(b_qf), axis=1)
+        b_q = (b_qf * (448.0 / tl.maximum(amax, 1e-30))[:, None]).to(k_ptr.dtype.element_ty)
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
+
+    offs_p = tl.arange(0, KP)
+    # Unused slots: -inf with distinct negative ids (so they fill in slot order
+    # and the valid kept ids stay a prefix); slots past NKEEP: +inf, never evicted.
+    vals = tl.where(offs_p[None, :] < NKEEP, float("-inf"), float("inf")) + tl.zeros([BM, KP], tl.float32)
+    ids = (-1 - offs_p)[None, :] + tl.zeros([BM, KP], tl.int32)
+
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    for c in range(c0, c_full):
+        vals, ids = _score_chunk(
+            vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8,
+        )
+    for c in range(c_full, c1):
+        vals, ids = _score_chunk(
+            vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8,
+        )
+
+    if FINAL:
+        nf = tl.where(pos_ok, tl.minimum(last + 1, LOCAL), 0)
+        n_kept = tl.sum(((vals > float("-inf")) & (offs_p[None, :] < NKEEP)).to(tl.int32), axis=1)
+        _write_selection(out_ptr, grow, row_ok, nf, last, ids, n_kept, TOPK, TOPK_P2, KP)
+    else:
+        p_w = (grow.to(tl.int64) * num_splits + split)[:, None] * KP + offs_p[None, :]
+        w_ok = row_ok[:, None] & (offs_p[None, :] < NKEEP)
+        tl.store(ws_val_ptr + p_w, vals, mask=w_ok)
+        tl.store(ws_id_ptr + p_w, ids, mask=w_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    ws_val_ptr,
+    ws_id_ptr,
+    out_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    total_rows,
+    batch,
+    num_splits,
+    H: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    LOCAL: tl.constexpr,
+    NKEEP: tl.constexpr,
+    KP: tl.constexpr,
+    NC: tl.constexpr,
+    RB: tl.constexpr,
+    BATCH_P2: tl.constexpr,
+):
+    """Per row: best NKEEP of the splits' kept lists (score desc, id asc), then the
+    final row layout."""
+    pid = tl.program_id(0)
+    grow = pid * RB + tl.arange(0, RB)
+    row_ok = grow < total_rows
+    tok = grow // H
+    offs_b = tl.arange(0, BATCH_P2)
+    cu_hi = tl.load(cu_ptr + offs_b + 1, mask=offs_b < batch, other=2147483647)
+    seq = tl.minimum(tl.sum((cu_hi[None, :] <= tok[:, None]).to(tl.int32), axis=1), batch - 1)  # [RB]
+    q_lo = tl.load(cu_ptr + seq)
+    q_hi = tl.load(cu_ptr + seq + 1)
+    kv_len = tl.load(kvlen_ptr + seq)
+    pos = kv_len - (q_hi - q_lo) + (tok - q_lo)
+    pos_ok = row_ok & (pos >= 0)
+    last = tl.maximum(pos, 0) // BLOCK
+    nf = tl.where(pos_ok, tl.minimum(last + 1, LOCAL), 0)
+
+    offs_c = tl.arange(0, NC)  # split * KP + slot
+    c_ok = row_ok[:, None] & ((offs_c // KP) < num_splits)[None, :] & ((offs_c % KP) < NKEEP)[None, :]
+    p_w = grow.to(tl.int64)[:, None] * num_splits * KP + offs_c[None, :]
+    vals = tl.load(ws_val_ptr + p_w, mask=c_ok, other=float("-inf"))  # [RB, NC]
+    ids = tl.load(ws_id_ptr + p_w, mask=c_ok, other=0)
+    # Empty slots of a split hold -inf; they must never be chosen.
+    vals = tl.where(vals > float("-inf"), vals, float("-inf"))
+
+    offs_p = tl.arange(0, KP)
+    kept = tl.full([RB, KP], -1, tl.int32)
+    n_kept = tl.zeros([RB], tl.int32)
+    for i in tl.static_range(NKEEP):
+        best = tl.max(vals, axis=1)
+        best_id = tl.min(tl.where(vals == best[:, None], ids, 2147483647), axis=1)
+        ok = best > float("-inf")
+        kept = tl.where((offs_p[None, :] == i) & ok[:, None], best_id[:, None], kept)
+        n_kept += ok.to(tl.int32)
+        vals = tl.where(ids == best_id[:, None], float("-inf"), vals)
+    _write_selection(out_ptr, grow, row_ok, nf, last, kept, n_kept, TOPK, TOPK_P2, KP)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _check_shapes(index_q, index_k_cache, topk, block_size, index_k_scale):
+    page_size = index_k_cache.shape[1]
+    d = index_q.shape[2]
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk: the Triton index kernel supports topk <= {MAX_TOPK}, got {topk}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size: the Triton index kernel needs a power of two, got {block_size}")
+    if block_size % page_size and page_size % block_size:
+        raise ValueError(
+            f"block_size: expected a multiple or a divisor of the page size {page_size}, got {block_size}"
+        )
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"index_q: the Triton index kernel needs a power-of-two head dim in [16, 256], got {d}")
+
+
+def index_topk_triton(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    topk: int,
+    block_size: int = 128,
+    local_blocks: int = 1,
+    max_seqlen_q: int | None = None,
+    index_k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of ``index_topk`` (same arguments and result).
+
+    ``max_seqlen_q`` (the longest query count of a sequence, a host int) picks the
+    row-tile height; without it ``ceil(Tq / batch)`` is assumed. Any value gives
+    the same result, only the speed differs.
+
+    ``index_k_scale``: with an fp8 (e4m3) ``index_k_cache``, the per-token fp32
+    dequantization scale ``[pages, page_size]`` (key = cache * scale).
+    """
+    return _index_topk_launch(
+        index_q,
+        index_k_cache,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        topk=topk,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        max_seqlen_q=max_seqlen_q,
+        index_k_scale=index_k_scale,
+    )
+
+
+def _index_topk_launch(
+    index_q,
+    index_k_cache,
+    block_tables,
+    *,
+    cu_seqlens_q,
+    used_kv_lens,
+    topk,
+    block_size=128,
+    local_blocks=1,
+    max_seqlen_q=None,
+    index_k_scale=None,
+    block_m=None,
+    block_k=None,
+    num_splits=None,
+    num_warps=None,
+    num_stages=None,
+):
+    """``index_topk_triton`` with the launch choices exposed (tests, benchmarks)."""
+    fp8 = index_k_cache.dtype in FP8_DTYPES
+    if fp8:
+        if index_k_scale is None:
+            raise ValueError("index_k_scale: an fp8 index_k_cache needs its per-token scale [pages, page_size]")
+        if tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]) or index_k_scale.dtype != torch.float32:
+            raise ValueError(
+                f"index_k_scale: expected float32 of shape {tuple(index_k_cache.shape[:2])}, "
+                f"got {index_k_scale.dtype} {tuple(index_k_scale.shape)}"
+            )
+        if index_k_scale.stride(1) != 1:
+            index_k_scale = index_k_scale.contiguous()
+        _validate_fp8(
+            index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks
+        )
+    else:
+        if index_k_scale is not None:
+            raise ValueError("index_k_scale: only an fp8 index_k_cache takes a scale")
+        validate_index_topk(
+            index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks
+        )
+    _check_shapes(index_q, index_k_cache, topk, block_size, index_k_scale)
+
+    num_tokens, heads, dim = index_q.shape
+    batch = used_kv_lens.shape[0]
+    page_size = index_k_cache.shape[1]
+    device = index_q.device
+    out = torch.empty(num_tokens, heads, topk, dtype=torch.int32, device=device)
+    if num_tokens == 0 or batch == 0:
+        return out
+
+    q = index_q.contiguous()
+    k = index_k_cache
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    dot_fp32 = False
+    if not fp8 and (q.dtype != k.dtype or k.dtype == torch.float32):
+        # Mixed or fp32 inputs: exact fp32 products (a tf32 dot would reorder
+        # near-ties that the fp32 contract keeps apart).
+        dot_fp32 = True
+    interpret = _interpret()
+    if interpret and (k.dtype == torch.bfloat16 or fp8):
+        # The Triton interpreter (3.9) gets bf16 tl.dot wrong (it multiplies the raw
+        # bits); bf16 x bf16 products are exact in fp32, so the upcast dot computes
+        # the same function up to the summation order.
+        dot_fp32 = True
+    cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
+    kv = used_kv_lens if used_kv_lens.dtype == torch.int32 else used_kv_lens.to(torch.int32)
+    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    scale = index_k_scale if fp8 else k  # a placeholder pointer when unused
+
+    if max_seqlen_q is None:
+        max_seqlen_q = -(-num_tokens // batch)
+    rows = max(1, int(max_seqlen_q)) * heads
+    bm = block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else PREFILL_BM)
+    bk = block_k or (128 if dim <= 128 else 64)
+    if dot_fp32 and not block_k and not interpret:
+        bk = 64  # fp32 tiles: keep the shared-memory stage within bounds
+    ch = max(bk, block_size)
+    tpb = ch // bk
+    nbt = ch // block_size
+    same_page = page_size % bk == 0
+
+    nkeep = topk - local_blocks
+    kp = _pow2(max(nkeep, 1))
+    tiles = (num_tokens * heads) // bm + batch
+    if num_splits is None:
+        # Enough programs to fill the GPU; the real tile count is about
+        # max(rows / BM, sequences with queries).
+        est = max(-(-num_tokens * heads // bm), min(batch, num_tokens))
+        target = PROGRAMS_PER_SM * _num_sms(device)
+        cap_chunks = -(-block_tables.shape[1] * page_size // ch)
+        num_splits = 1 if est >= target else max(1, min(-(-target // est), cap_chunks, MAX_SPLITS))
+    final = num_splits == 1
+    if final:
+        ws_val = ws_id = out
+    else:
+        ws_val = torch.empty(num_tokens * heads * num_splits * kp, dtype=torch.float32, device=device)
+        ws_id = torch.empty(num_tokens * heads * num_splits * kp, dtype=torch.int32, device=device)
+
+    if num_warps is None:
+        num_warps = 8 if bm >= 128 else 4
+    if num_stages is None:
+        num_stages = 3 if bm >= 128 else 4
+    batch_p2 = max(2, _pow2(batch + 1))
+    _index_topk_kernel[(tiles, num_splits)](
+        q, k, scale, bt, cu, kv, out, ws_val, ws_id,
+        k.stride(0), k.stride(1), scale.stride(0), bt.stride(0),
+        batch, num_splits,
+        H=heads, D=dim, BLOCK=block_size, PAGE=page_size,
+        TOPK=topk, TOPK_P2=_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
+        BM=bm, BK=bk, CH=ch, TPB=tpb, NBT=nbt, SAME_PAGE=same_page, BATCH_P2=batch_p2,
+        DOT_FP32=dot_fp32, FP8=fp8, FINAL=final,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not final:
+        total_rows = num_tokens * heads
+        nc = _pow2(num_splits) * kp
+        rb = max(1, min(16, 4096 // nc))
+        _merge_kernel[(triton.cdiv(total_rows, rb),)](
+            ws_val, ws_id, out, cu, kv,
+            total_rows, batch, num_splits,
+            H=heads, BLOCK=block_size, TOPK=topk, TOPK_P2=_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,
+            KP=kp, NC=nc, RB=rb, BATCH_P2=batch_p2,
+            num_warps=4,
+        )
+    return out
+
+
+def _validate_fp8(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks):
+    # The shared validator accepts float caches only; run it on a zero-copy
+    # bf16 stand-in of the same shape (shape/device checks) plus the varlen
+    # value checks, which never read the cache.
+    stand_in = torch.empty(1, 1, 1, dtype=torch.bfloat16, device=index_k_cache.device).expand(index_k_cache.shape)
+    validate_index_topk(index_q, stand_in, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks)
+
+
+__all__ = ["index_topk_triton"]
