@@ -129,6 +129,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         topk=self.topk_blocks,
         block_size=self.block_size,
         local_blocks=self.local_blocks,
+        max_seqlen_q=q_len,
     )
     return selected.view(batch, q_len, self.num_heads, self.topk_blocks).permute(0, 2, 1, 3)
 

@@ -34,18 +34,26 @@ from .kvouter_index import KVOuterIndex, build_kvouter_index
 from .scheduler import Schedule, schedule
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
-# Rows per MMA tile: TQ tokens x GP heads. 128 matches Hopper's wgmma (two warpgroups
-# of 64 rows) for the tuned D = 128, B = 128 case.
+# Largest tile: TQ tokens x GP heads rows.
 TILE_ROWS = 128
-# Launch settings of the partials kernel (the benchmark's --tune overrides them):
-# warps, software-pipelining depth, persistent programs per SM.
-ATTN_CONFIG = {"num_warps": 8, "num_stages": 2, "programs_per_sm": 1}
+# Launch settings of the partials kernel, tuned on the H200 at N = 32K (docs/PERF.md, KV-outer;
+# the benchmark's --tune overrides them): rows per tile, warps, software-pipelining
+# depth, persistent programs per SM, register cap, metadata prefetch. 64-row tiles with
+# one warpgroup let two programs share an SM (210 registers, 80 KB shared memory), which
+# edged out 128-row tiles with two warpgroups (255 registers: one program per SM).
+# With 4 programs per SM only two are resident at a time: the slices stay contiguous
+# and balanced, the hardware starts the next program as one ends.
+ATTN_CONFIG = {
+    "tile_rows": 64,
+    "num_warps": 4,
+    "num_stages": 2,
+    "programs_per_sm": 4,
+    "maxnreg": None,
+    "prefetch": True,
+}
 # Rows of the unused tail that one program clears per step.
 FILL_ROWS = 64
-# Rows per program of the combine kernel.
-COMBINE_ROWS = 64
 
 
 def _next_pow2(x: int) -> int:
@@ -57,8 +65,8 @@ def group_pad(group: int) -> int:
 
 
 def default_tile_q(group: int) -> int:
-    """Tokens per tile: enough to fill TILE_ROWS rows with GP heads each."""
-    return max(1, TILE_ROWS // group_pad(group))
+    """Tokens per tile: enough to fill ATTN_CONFIG["tile_rows"] rows with GP heads each."""
+    return max(1, ATTN_CONFIG["tile_rows"] // group_pad(group))
 
 
 def _interpreting() -> bool:
@@ -76,6 +84,96 @@ def default_num_programs(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx] * ATTN_CONFIG["programs_per_sm"]
+
+
+@triton.jit
+def _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, tile, t_hi):
+    """(segment, first entry, end entry) of a tile; an empty range past the slice."""
+    live = tile < t_hi
+    seg = tl.load(tile_seg_ptr + tile, mask=live, other=0)
+    e0 = tl.load(tile_start_ptr + tile, mask=live, other=0)
+    e1 = tl.load(tile_end_ptr + tile, mask=live, other=0)
+    return seg, e0, e1
+
+
+@triton.jit
+def _tile_level2(
+    entry_token_ptr, bt_ptr, cu_ptr, kvlen_ptr, seg, e0, e1, nbg, max_blocks, stride_bt,
+    r_tok, offs_n,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+):
+    """Per-row tokens [BM], per-key pages [BS], kv length and position base of a tile."""
+    gb = seg % nbg
+    seq = gb // max_blocks
+    blk = gb - seq * max_blocks
+    live = e1 > e0
+    kv_len = tl.load(kvlen_ptr + seq, mask=live, other=0)
+    # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
+    pos_base = kv_len - tl.load(cu_ptr + seq + 1, mask=live, other=0)
+    e_row = e0 + r_tok
+    tok = tl.load(entry_token_ptr + e_row, mask=e_row < e1, other=0)
+    k_pos = blk * BS + offs_n
+    page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(tl.int64)
+    return tok, page, kv_len, pos_base
+
+
+@triton.jit
+def _tile_attend(
+    q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
+    seg, e0, e1, tok, page, kv_len, pos_base,
+    stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+    nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One tile: gather its queries, read its K/V block once, one softmax step, store."""
+    g = seg // nbg
+    blk = seg % nbg % max_blocks
+    d_ok = offs_d < D
+    e_row = e0 + r_tok
+    row_ok = (e_row < e1) & (r_head < G)
+    p_q = q_ptr + (tok.to(tl.int64) * stride_qt + (g * G + r_head).to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
+    b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+
+    k_pos = blk * BS + offs_n
+    k_ok = k_pos < kv_len
+    slot = k_pos % PS
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    p_k = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[:, None] + offs_d[None, :]
+    p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
+    b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
+    b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
+
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+        b_k = b_k.to(tl.float32)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
+    # Last visible key position per row; -1 for rows that see nothing.
+    row_pos = pos_base + tok
+    if CAUSAL:
+        lim = tl.minimum(row_pos, kv_len - 1)
+    else:
+        lim = tl.zeros_like(row_pos) + (kv_len - 1)
+    lim = tl.where(row_ok & (row_pos >= 0), lim, -1)
+    # Only the local block (or the sequence's last, partial block) needs the mask.
+    lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+    if blk * BS + BS - 1 > lim_min:
+        b_s = tl.where(k_pos[None, :] <= lim[:, None], b_s, float("-inf"))
+    b_m = tl.max(b_s, 1)  # [BM]
+    m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
+    b_l = tl.sum(b_p, 1)  # [BM]
+    if UPCAST:
+        b_o = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+    else:
+        b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
+
+    # Rows e * G + h of consecutive entries are consecutive rows of the buffer.
+    o_row = e_row.to(tl.int64) * G + r_head
+    p_o = po_ptr + o_row[:, None] * D + offs_d[None, :]
+    tl.store(p_o, b_o.to(po_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
+    tl.store(pl_ptr + o_row, b_l, mask=row_ok)
 
 
 @triton.jit
@@ -107,7 +205,6 @@ def _kvouter_partials_kernel(
     num_segments,
     nbg,
     max_blocks,
-    bt_width,
     capacity_rows,
     num_programs,
     qk_scale,
@@ -121,6 +218,7 @@ def _kvouter_partials_kernel(
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PREFETCH: tl.constexpr,
     FILL: tl.constexpr,
 ):
     BM: tl.constexpr = TQ * GP
@@ -134,63 +232,49 @@ def _kvouter_partials_kernel(
 
     t_lo = tl.load(prog_tiles_ptr + pid)
     t_hi = tl.load(prog_tiles_ptr + pid + 1)
-    for tile in range(t_lo, t_hi):
-        seg = tl.load(tile_seg_ptr + tile)
-        e0 = tl.load(tile_start_ptr + tile)
-        e1 = tl.load(tile_end_ptr + tile)
-        g = seg // nbg
-        gb = seg - g * nbg
-        seq = gb // max_blocks
-        blk = gb - seq * max_blocks
-        kv_len = tl.load(kvlen_ptr + seq)
-        # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
-        pos_base = kv_len - tl.load(cu_ptr + seq + 1)
-
-        e_row = e0 + r_tok
-        row_ok = (e_row < e1) & (r_head < G)
-        tok = tl.load(entry_token_ptr + e_row, mask=row_ok, other=0)
-        p_q = q_ptr + (tok.to(tl.int64) * stride_qt + (g * G + r_head).to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
-        b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-
-        k_pos = blk * BS + offs_n
-        k_ok = k_pos < kv_len
-        page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
-        slot = k_pos % PS
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        p_k = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[:, None] + offs_d[None, :]
-        p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
-        b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
-        b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
-
-        if UPCAST:
-            b_q = b_q.to(tl.float32)
-            b_k = b_k.to(tl.float32)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
-        # Last visible key position per row; -1 for rows that see nothing.
-        row_pos = pos_base + tok
-        if CAUSAL:
-            lim = tl.minimum(row_pos, kv_len - 1)
-        else:
-            lim = tl.zeros_like(row_pos) + (kv_len - 1)
-        lim = tl.where(row_ok & (row_pos >= 0), lim, -1)
-        # Only the local block (or the sequence's last, partial block) needs the mask.
-        lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
-        if blk * BS + BS - 1 > lim_min:
-            b_s = tl.where(k_pos[None, :] <= lim[:, None], b_s, float("-inf"))
-        b_m = tl.max(b_s, 1)  # [BM]
-        m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
-        b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
-        b_l = tl.sum(b_p, 1)  # [BM]
-        if UPCAST:
-            b_o = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
-        else:
-            b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
-
-        o_row = e_row.to(tl.int64) * G + r_head
-        p_o = po_ptr + o_row[:, None] * D + offs_d[None, :]
-        tl.store(p_o, b_o.to(po_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
-        tl.store(pl_ptr + o_row, b_l, mask=row_ok)
+    if PREFETCH:
+        # Tile metadata is a chain of dependent loads (tile -> segment -> block table,
+        # lengths, tokens). Run it two tiles ahead, so every load a tile issues has an
+        # address known when the tile starts: level 1 (segment, entry range) for tile
+        # i + 2, level 2 (tokens, pages, lengths) for tile i + 1.
+        seg, e0, e1 = _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo, t_hi)
+        tok, page, kv_len, pos_base = _tile_level2(
+            entry_token_ptr, bt_ptr, cu_ptr, kvlen_ptr, seg, e0, e1, nbg, max_blocks, stride_bt,
+            r_tok, offs_n, G, GP, BS, PS,
+        )
+        n_seg, n_e0, n_e1 = _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo + 1, t_hi)
+        for tile in range(t_lo, t_hi):
+            nn_seg, nn_e0, nn_e1 = _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, tile + 2, t_hi)
+            n_tok, n_page, n_kv_len, n_pos_base = _tile_level2(
+                entry_token_ptr, bt_ptr, cu_ptr, kvlen_ptr, n_seg, n_e0, n_e1, nbg, max_blocks, stride_bt,
+                r_tok, offs_n, G, GP, BS, PS,
+            )
+            _tile_attend(
+                q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
+                seg, e0, e1, tok, page, kv_len, pos_base,
+                stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST,
+            )
+            seg, e0, e1 = n_seg, n_e0, n_e1
+            tok, page, kv_len, pos_base = n_tok, n_page, n_kv_len, n_pos_base
+            n_seg, n_e0, n_e1 = nn_seg, nn_e0, nn_e1
+    else:
+        # Everything derived from the induction variable: Triton's software pipeliner
+        # (num_stages) may then stage the dependent loads across iterations itself.
+        for tile in range(t_lo, t_hi):
+            seg, e0, e1 = _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, tile, t_hi)
+            tok, page, kv_len, pos_base = _tile_level2(
+                entry_token_ptr, bt_ptr, cu_ptr, kvlen_ptr, seg, e0, e1, nbg, max_blocks, stride_bt,
+                r_tok, offs_n, G, GP, BS, PS,
+            )
+            _tile_attend(
+                q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
+                seg, e0, e1, tok, page, kv_len, pos_base,
+                stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST,
+            )
 
     # Unused entries (past seg_offsets[-1]) belong to no tile: the programs clear them
     # grid-strided so the buffer never holds garbage.
@@ -199,8 +283,9 @@ def _kvouter_partials_kernel(
     n_rows = capacity_rows - row0
     offs_f = tl.arange(0, FILL)
     b_zero = tl.zeros([FILL, BD], dtype=po_ptr.dtype.element_ty)
-    for c in range(pid, (n_rows + FILL - 1) // FILL, num_programs):
-        rows = row0 + c * FILL + offs_f
+    n_chunks = ((n_rows + FILL - 1) // FILL).to(tl.int32)
+    for c in range(pid, n_chunks, num_programs):
+        rows = row0 + c * FILL + offs_f  # c * FILL < E * G < 2^31
         ok = rows < row0 + n_rows
         tl.store(po_ptr + rows[:, None] * D + offs_d[None, :], b_zero, mask=ok[:, None] & d_ok[None, :])
         tl.store(pm_ptr + rows, tl.full([FILL], float("-inf"), tl.float32), mask=ok)
@@ -222,11 +307,13 @@ def kvouter_partials_triton(
     block_size: int = 128,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
+    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32).
 
     ``sched`` must come from ``schedule(index, tile_q=..., num_programs=...)``; its
-    ``tile_q`` may be anything up to ``TILE_ROWS // GP`` (smaller tiles are padded).
+    ``tile_q`` may be anything up to ``2 * TILE_ROWS // GP`` (smaller tiles are padded).
     ``block_size`` must be a power of two >= 16 (an MMA dimension).
     """
     num_tokens, hq, d = q.shape
@@ -250,9 +337,14 @@ def kvouter_partials_triton(
         return partial_o, partial_m, partial_l
     bd = max(16, _next_pow2(d))
     if num_warps is None:
-        num_warps = ATTN_CONFIG["num_warps"] if tq * gp >= 128 else 4
+        num_warps = ATTN_CONFIG["num_warps"] if tq * gp == ATTN_CONFIG["tile_rows"] else (8 if tq * gp >= 128 else 4)
     if num_stages is None:
         num_stages = ATTN_CONFIG["num_stages"]
+    if maxnreg is None:
+        maxnreg = ATTN_CONFIG["maxnreg"]
+    if prefetch is None:
+        prefetch = ATTN_CONFIG["prefetch"]
+    extra = {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
     upcast = _interpreting() and q.dtype == torch.bfloat16
@@ -285,7 +377,6 @@ def kvouter_partials_triton(
         index.num_segments,
         index.num_global_blocks,
         index.max_blocks,
-        block_tables.shape[1],
         cap * group,
         sched.num_programs,
         float(softmax_scale) * LOG2E,
@@ -297,11 +388,13 @@ def kvouter_partials_triton(
         BS=block_size,
         PS=page_size,
         CAUSAL=bool(causal),
-        PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
         UPCAST=upcast,
+        PREFETCH=bool(prefetch),
         FILL=FILL_ROWS,
         num_warps=num_warps,
         num_stages=num_stages,
+        **extra,
     )
     return partial_o, partial_m, partial_l
 

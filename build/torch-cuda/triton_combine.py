@@ -20,13 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 # Launch settings (the benchmark's --tune overrides them): rows (token x head pairs)
 # per program and warps.
-COMBINE_CONFIG = {"rows": 64, "num_warps": 4}
+COMBINE_CONFIG = {"rows": 16, "num_warps": 4}  # 8 or 16 rows: same time on the H200
 
 
 def _next_pow2(x: int) -> int:

@@ -30,14 +30,16 @@ Nothing reads device data on the host: the grid is sized from shapes
 exit) and the split count from the block-table capacity.
 
 fp8 index keys (``float8_e4m3fn`` cache plus a per-token fp32 scale
-``[pages, page_size]``): the query rows are quantized per row in the kernel
-(a positive per-row factor does not change a row's ranking, so it is never
-applied back), the dot runs in fp8 and each score column is multiplied by its
-key's scale.
+``[pages, page_size]``): each score column is multiplied by its key's scale.
+By default the keys are widened to the query dtype before the dot (half the
+key bytes, the query exact). With ``fp8_dot`` the query rows are quantized to
+e4m3 in the kernel too (a positive per-row factor does not change a row's
+ranking, so it is never applied back) and the dot runs on the fp8 tensor cores.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -50,15 +52,16 @@ MAX_TOPK = 32
 # A row tile holds at most this many (token, head) rows; prefill uses it, decode
 # uses the smallest power of two >= the rows of one sequence (>= 16 for tl.dot).
 PREFILL_BM = 128
-# Programs to aim for when splitting key ranges (several per multiprocessor, so
-# that enough loads are in flight to keep HBM busy).
-PROGRAMS_PER_SM = 4
+# Programs to aim for when splitting key ranges: several per multiprocessor so
+# that enough loads are in flight to keep HBM busy, and many waves so that the
+# last, partly filled wave costs little.
+PROGRAMS_PER_SM = 8
+# A split scores at least this many key chunks (its fixed cost: the query tile,
+# the table reads and the merge's share).
+MIN_CHUNKS_PER_SPLIT = 2
 MAX_SPLITS = 128
-FP8_DTYPES = tuple(
-    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e4m3fnuz", None)) if d is not None
-)
-
-NEG_INF = float("-inf")
+# e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
+FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
 
 def _interpret() -> bool:
@@ -126,6 +129,7 @@ def _score_chunk(
     MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FP8: tl.constexpr,
+    K_CAST: tl.constexpr,
 ):
     """Score key chunk ``c`` (CH keys = NBT blocks, or one block in TPB tiles)
     and offer its blocks to the kept lists."""
@@ -166,6 +170,8 @@ def _score_chunk(
                 b_ks = tl.load(p_s)
         if DOT_FP32:
             b_s = tl.dot(b_q, b_k.to(tl.float32), input_precision="ieee")  # [BM, BK]
+        elif K_CAST:
+            b_s = tl.dot(b_q, b_k.to(b_q.dtype))  # [BM, BK]
         else:
             b_s = tl.dot(b_q, b_k)  # [BM, BK]
         if FP8:
@@ -236,6 +242,8 @@ def _index_topk_kernel(
     BATCH_P2: tl.constexpr,
     DOT_FP32: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    K_CAST: tl.constexpr,
     FINAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -270,7 +278,7 @@ def _index_topk_kernel(
 
     p_q = q_ptr + grow.to(tl.int64)[:, None] * D + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None], other=0.0)  # [BM, D]
-    if FP8:
+    if FP8_DOT:
         # Per-row scale to the e4m3 range; it multiplies a whole row of scores,
         # so it never changes the row's ranking and is not applied back.
         b_qf = b_q.to(tl.float32)
@@ -289,12 +297,12 @@ def _index_topk_kernel(
     for c in range(c0, c_full):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8, K_CAST,
         )
     for c in range(c_full, c1):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8, K_CAST,
         )
 
     if FINAL:
@@ -371,13 +379,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 2
 
 
-def _check_shapes(index_q, index_k_cache, topk, block_size, index_k_scale):
+def _check_shapes(index_q, index_k_cache, topk, block_size):
     page_size = index_k_cache.shape[1]
     d = index_q.shape[2]
     if topk > MAX_TOPK:
@@ -404,6 +413,7 @@ def index_topk_triton(
     local_blocks: int = 1,
     max_seqlen_q: int | None = None,
     index_k_scale: torch.Tensor | None = None,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Triton version of ``index_topk`` (same arguments and result).
 
@@ -412,7 +422,11 @@ def index_topk_triton(
     the same result, only the speed differs.
 
     ``index_k_scale``: with an fp8 (e4m3) ``index_k_cache``, the per-token fp32
-    dequantization scale ``[pages, page_size]`` (key = cache * scale).
+    dequantization scale ``[pages, page_size]`` (key = cache * scale). The keys
+    are widened to the query dtype in registers (half the key bytes, only the
+    keys' rounding), unless ``fp8_dot``: then the query rows are quantized to
+    e4m3 too and the dot runs on the fp8 tensor cores (faster prefill, noisier
+    ranking).
     """
     return _index_topk_launch(
         index_q,
@@ -425,6 +439,7 @@ def index_topk_triton(
         local_blocks=local_blocks,
         max_seqlen_q=max_seqlen_q,
         index_k_scale=index_k_scale,
+        fp8_dot=fp8_dot,
     )
 
 
@@ -440,6 +455,7 @@ def _index_topk_launch(
     local_blocks=1,
     max_seqlen_q=None,
     index_k_scale=None,
+    fp8_dot=False,
     block_m=None,
     block_k=None,
     num_splits=None,
@@ -467,7 +483,7 @@ def _index_topk_launch(
         validate_index_topk(
             index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks
         )
-    _check_shapes(index_q, index_k_cache, topk, block_size, index_k_scale)
+    _check_shapes(index_q, index_k_cache, topk, block_size)
 
     num_tokens, heads, dim = index_q.shape
     batch = used_kv_lens.shape[0]
@@ -481,13 +497,15 @@ def _index_topk_launch(
     k = index_k_cache
     if k.stride(2) != 1:
         k = k.contiguous()
+    fp8_dot = bool(fp8 and fp8_dot)
+    k_cast = fp8 and not fp8_dot
     dot_fp32 = False
-    if not fp8 and (q.dtype != k.dtype or k.dtype == torch.float32):
+    if (q.dtype != k.dtype and not fp8) or k.dtype == torch.float32 or (k_cast and q.dtype == torch.float32):
         # Mixed or fp32 inputs: exact fp32 products (a tf32 dot would reorder
         # near-ties that the fp32 contract keeps apart).
         dot_fp32 = True
     interpret = _interpret()
-    if interpret and (k.dtype == torch.bfloat16 or fp8):
+    if interpret and (torch.bfloat16 in (q.dtype, k.dtype) or fp8):
         # The Triton interpreter (3.9) gets bf16 tl.dot wrong (it multiplies the raw
         # bits); bf16 x bf16 products are exact in fp32, so the upcast dot computes
         # the same function up to the summation order.
@@ -518,7 +536,8 @@ def _index_topk_launch(
         est = max(-(-num_tokens * heads // bm), min(batch, num_tokens))
         target = PROGRAMS_PER_SM * _num_sms(device)
         cap_chunks = -(-block_tables.shape[1] * page_size // ch)
-        num_splits = 1 if est >= target else max(1, min(-(-target // est), cap_chunks, MAX_SPLITS))
+        most = max(1, min(cap_chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
+        num_splits = 1 if est >= target else min(-(-target // est), most)
     final = num_splits == 1
     if final:
         ws_val = ws_id = out
@@ -526,10 +545,12 @@ def _index_topk_launch(
         ws_val = torch.empty(num_tokens * heads * num_splits * kp, dtype=torch.float32, device=device)
         ws_id = torch.empty(num_tokens * heads * num_splits * kp, dtype=torch.int32, device=device)
 
+    # Measured on the H200 (docs/PERF.md, index branch): one warpgroup per 128-row tile
+    # with a 2-deep key pipeline beat 8 warps / 3 stages by 1.4x in prefill.
     if num_warps is None:
-        num_warps = 8 if bm >= 128 else 4
+        num_warps = 4
     if num_stages is None:
-        num_stages = 3 if bm >= 128 else 4
+        num_stages = 2 if bm >= 128 else 3
     batch_p2 = max(2, _pow2(batch + 1))
     _index_topk_kernel[(tiles, num_splits)](
         q, k, scale, bt, cu, kv, out, ws_val, ws_id,
@@ -538,13 +559,15 @@ def _index_topk_launch(
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size,
         TOPK=topk, TOPK_P2=_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
         BM=bm, BK=bk, CH=ch, TPB=tpb, NBT=nbt, SAME_PAGE=same_page, BATCH_P2=batch_p2,
-        DOT_FP32=dot_fp32, FP8=fp8, FINAL=final,
+        DOT_FP32=dot_fp32, FP8=fp8, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32, FINAL=final,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:
         total_rows = num_tokens * heads
         nc = _pow2(num_splits) * kp
-        rb = max(1, min(16, 4096 // nc))
+        # Few rows per program: the merge is a chain of dependent reductions, so
+        # its time is latency, and more programs hide more of it.
+        rb = max(1, min(16, 1024 // nc))
         _merge_kernel[(triton.cdiv(total_rows, rb),)](
             ws_val, ws_id, out, cu, kv,
             total_rows, batch, num_splits,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import FLOAT_DTYPES, SUPPORTED_PAGE_SIZES, check_dim, check_positive_int, check_tensor, check_varlen
+from ._dispatch import use_triton
 from .layout import gather_tokens, key_extent, token_positions
 
 # Bound the working set: (queries per chunk) x (keys per chunk) token scores.
@@ -79,6 +80,7 @@ def index_topk(
     topk: int,
     block_size: int = 128,
     local_blocks: int = 1,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Select ``topk`` key blocks per (query token, index head).
 
@@ -87,7 +89,48 @@ def index_topk(
     block_tables: [B, max_pages] int; cu_seqlens_q: [B + 1] int; used_kv_lens: [B] int
     (cached tokens per sequence, the new queries included, right aligned).
     Returns ``selected`` [Tq, Hi, topk] int32, ``-1`` in unused slots.
+    ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's tiling.
+
+    CUDA tensors run the Triton kernels (``triton_index_topk``), others this torch code.
     """
+    if use_triton(index_q):
+        from .triton_index_topk import index_topk_triton
+
+        return index_topk_triton(
+            index_q,
+            index_k_cache,
+            block_tables,
+            cu_seqlens_q=cu_seqlens_q,
+            used_kv_lens=used_kv_lens,
+            topk=topk,
+            block_size=block_size,
+            local_blocks=local_blocks,
+            max_seqlen_q=max_seqlen_q,
+        )
+    return index_topk_torch(
+        index_q,
+        index_k_cache,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        topk=topk,
+        block_size=block_size,
+        local_blocks=local_blocks,
+    )
+
+
+def index_topk_torch(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    topk: int,
+    block_size: int = 128,
+    local_blocks: int = 1,
+) -> torch.Tensor:
+    """The torch implementation of :func:`index_topk` (CPU path and oracle for the kernels)."""
     validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks)
     num_tokens, heads, _ = index_q.shape
     page_size = index_k_cache.shape[1]

@@ -19,6 +19,7 @@ from ._validate import (
     check_tensor,
     check_varlen,
 )
+from ._dispatch import use_triton
 from .combine import combine
 from .dense_attention import dense_paged_attention_torch
 from .kvouter_attention import kvouter_partials
@@ -47,6 +48,9 @@ def kvouter_attention(
     per sequence including the new queries, which are the last ones (right aligned).
     Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None); a query with no
     visible key outputs zeros and lse = -inf.
+
+    CUDA tensors run the Triton partials and combine kernels (``triton_kvouter``),
+    others the torch stages.
     """
     check_kv(q, k_cache, v_cache, page_size)
     page_size = k_cache.shape[2]
@@ -66,6 +70,22 @@ def kvouter_attention(
     max_blocks = -(-block_tables.shape[1] * page_size // block_size)
     check_selected_values(selected, max_blocks)
     scale = check_scale(softmax_scale, q.shape[2])
+    if use_triton(q):
+        from .triton_kvouter import kvouter_attention_triton
+
+        return kvouter_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            selected,
+            block_tables,
+            cu_seqlens_q=cu_seqlens_q,
+            used_kv_lens=used_kv_lens,
+            softmax_scale=scale,
+            causal=causal,
+            block_size=block_size,
+            return_lse=return_lse,
+        )
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.
     partial_o, partial_m, partial_l = kvouter_partials(

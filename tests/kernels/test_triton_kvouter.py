@@ -1,0 +1,385 @@
+"""Triton KV-outer stages (partials, combine, composed) against the torch stages and the
+float64 oracle, on fresh random inputs.
+
+Without a CUDA device the kernels run in Triton's interpreter at tiny shapes; with one
+they run natively, plus larger shapes (page sizes 64/128, D = 128, G up to 16, and a
+partial buffer past 2^31 elements).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton picks the interpreter when a kernel is decorated, so this must precede the
+    # first import of the kernel modules; kernels decorated earlier are re-decorated below.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+import m3_sparse  # noqa: E402
+from kernel_test_utils import (  # noqa: E402
+    TOLERANCES,
+    assert_close,
+    gen,
+    is_poisoned,
+    make_batch,
+    poisoned_allocations,
+    randn,
+    random_selection,
+)
+from m3_sparse.reference import sparse_attention_ref  # noqa: E402
+
+
+def _kernel_modules():
+    mods = []
+    for name in ("m3_sparse.triton_combine", "m3_sparse.triton_kvouter"):
+        mod = importlib.import_module(name)
+        if not HAS_CUDA and sys.modules.get(name) is mod and not _interpreted(mod):
+            mod = importlib.reload(mod)
+        mods.append(mod)
+    return mods
+
+
+def _interpreted(mod) -> bool:
+    kernels = [v for k, v in vars(mod).items() if k.endswith("_kernel")]
+    return all(type(k).__name__ == "InterpretedFunction" for k in kernels)
+
+
+tcomb, tkv = _kernel_modules()
+
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+LSE_TOL = TOLERANCES[torch.float32]
+if HAS_CUDA:
+    HEADS_BIG = [(8, 8), (16, 4), (32, 4), (64, 4)]
+
+
+def _to(dev, *xs):
+    return [x.to(dev) for x in xs]
+
+
+def _setup(seed, seqs, page_size, block_size, hq, hkv, d, topk, dtype, causal, **sel_kwargs):
+    g = gen(seed)
+    batch = make_batch(g, seqs, page_size)
+    q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
+    k = batch.kv_cache(g, hkv, d, dtype)
+    v = batch.kv_cache(g, hkv, d, dtype)
+    sel = random_selection(g, batch, hkv, topk, block_size, causal=causal, **sel_kwargs)
+    return batch, q, k, v, sel
+
+
+def _device_batch(batch):
+    return {
+        "cu_seqlens_q": batch.cu_seqlens_q.to(DEVICE),
+        "used_kv_lens": batch.used_kv_lens.to(DEVICE),
+    }
+
+
+def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, prefetch=None):
+    q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    kw = _device_batch(batch)
+    max_blocks = -(-batch.capacity // block_size)
+    index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=max_blocks)
+    sched = m3_sparse.schedule(index, tile_q=tile_q, num_programs=num_programs)
+    with poisoned_allocations():
+        got = tkv.kvouter_partials_triton(
+            q, k, v, index, sched, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size,
+            prefetch=prefetch,
+        )
+    ref = m3_sparse.kvouter_partials(q, k, v, index, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size)
+    return index, got, ref
+
+
+def _check_partials(index, got, ref, dtype):
+    po, pm, pl = got
+    ro, rm, rl = ref
+    assert po.shape == ro.shape and po.dtype == ro.dtype
+    assert pm.shape == rm.shape and pm.dtype == torch.float32 and pl.dtype == torch.float32
+    for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
+        bad = is_poisoned(x)
+        assert not bad.any(), f"{name}: {int(bad.sum())} elements never written, first {torch.nonzero(bad)[0].tolist()}"
+    used = int(index.seg_offsets[-1])
+    assert torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0) and torch.all(po[used:] == 0)
+    # Rows that saw no key: exactly the oracle's.
+    assert torch.equal(pm[:used] == float("-inf"), rm[:used] == float("-inf"))
+    assert torch.all(pl[:used][rm[:used] == float("-inf")] == 0)
+    assert_close("partial_m", rm[:used], pm[:used], LSE_TOL)
+    assert_close("partial_l", rl[:used], pl[:used], LSE_TOL * 10)
+    assert_close("partial_o", ro[:used], po[:used], TOLERANCES[dtype])
+
+
+# --------------------------------------------------------------------------- partials
+
+PARTIAL_CASES = [
+    # hq, hkv, page, block, dtype, causal, tile_q, num_programs
+    (2, 2, 16, 16, torch.float32, True, None, 3),
+    (8, 2, 16, 32, torch.bfloat16, True, None, 2),
+    (8, 1, 32, 16, torch.float32, False, 2, 5),
+    (16, 1, 16, 16, torch.bfloat16, True, 1, 1),
+    (16, 1, 32, 32, torch.float16, False, None, 4),
+    (6, 2, 16, 32, torch.float32, True, 3, 7),
+]
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
+@pytest.mark.parametrize("hq,hkv,page_size,block_size,dtype,causal,tile_q,num_programs", PARTIAL_CASES)
+def test_partials_match_torch(hq, hkv, page_size, block_size, dtype, causal, tile_q, num_programs, prefetch):
+    seed = hq * 100 + page_size + block_size
+    # Ragged: one sequence shorter than a block, one exactly a block, several blocks.
+    seqs = [(block_size // 2 + 1, 5), (block_size, block_size // 2), (3 * block_size + 3, 6)]
+    batch, q, k, v, sel = _setup(seed, seqs, page_size, block_size, hq, hkv, 16, 4, dtype, causal)
+    tile_q = tile_q or tkv.default_tile_q(hq // hkv)
+    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, causal, 0.3, tile_q, num_programs, prefetch)
+    assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
+    _check_partials(index, got, ref, dtype)
+
+
+def test_partials_all_slots_empty():
+    """No live entry at all: every row is the unused tail and must still be written."""
+    g = gen(5)
+    batch = make_batch(g, [(20, 3)], 16)
+    q = randn(g, 3, 4, 16)
+    k, v = batch.kv_cache(g, 1, 16), batch.kv_cache(g, 1, 16)
+    sel = torch.full((3, 1, 2), -1, dtype=torch.int32)
+    index, got, ref = _run_partials(batch, q, k, v, sel, 16, True, 0.25, 4, 3)
+    assert int(index.seg_offsets[-1]) == 0
+    _check_partials(index, got, ref, torch.float32)
+
+
+if HAS_CUDA:
+
+    @pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
+    @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
+    @pytest.mark.parametrize("page_size", [64, 128])
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_partials_match_torch_cuda(hq, hkv, page_size, causal, prefetch):
+        seqs = [(1000, 300), (77, 77), (129, 1), (640, 128)]
+        batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16, causal)
+        index, got, ref = _run_partials(
+            batch, q, k, v, sel, 128, causal, 128**-0.5, tkv.default_tile_q(hq // hkv), 132, prefetch
+        )
+        _check_partials(index, got, ref, torch.bfloat16)
+
+    @pytest.mark.parametrize("block_size,page_size", [(64, 64), (64, 128), (128, 64), (32, 16)])
+    def test_partials_block_sizes_cuda(block_size, page_size):
+        seqs = [(500, 200), (33, 33), (300, 17)]
+        batch, q, k, v, sel = _setup(7 + block_size, seqs, page_size, block_size, 32, 2, 128, 8, torch.float16, True)
+        index, got, ref = _run_partials(batch, q, k, v, sel, block_size, True, 0.1, 8, 50)
+        _check_partials(index, got, ref, torch.float16)
+
+
+# --------------------------------------------------------------------------- combine
+
+
+def _random_partials(g, num_tokens, hkv, group, topk, d, dtype):
+    entries = num_tokens * hkv * topk
+    po = randn(g, entries, group, d, dtype=dtype)
+    pm = randn(g, entries, group) * 3
+    pl = torch.rand(entries, group, generator=g) * 4 + 1.0
+    empty = torch.rand(entries, group, generator=g) < 0.1  # partials that saw no key
+    pm = pm.masked_fill(empty, float("-inf"))
+    pl = pl.masked_fill(empty, 0.0)
+    po = po.masked_fill(empty[..., None], 0)
+    slot_of = torch.randperm(entries, generator=g).view(num_tokens, hkv, topk).to(torch.int32)
+    slot_of = slot_of.masked_fill(torch.rand(slot_of.shape, generator=g) < 0.25, -1)
+    slot_of[0] = -1  # a row with no partial at all
+    slot_of[1, :, 1:] = -1  # a row whose only partial saw no key
+    e = slot_of[1, :, 0].long()
+    pm[e], pl[e], po[e] = float("-inf"), 0.0, 0
+    return po, pm, pl, slot_of
+
+
+COMBINE_CASES = [
+    # hkv, group, topk, d, dtype
+    (2, 1, 4, 16, torch.float32),
+    (1, 4, 8, 16, torch.bfloat16),
+    (2, 8, 16, 8, torch.float16),
+    (1, 16, 16, 32, torch.bfloat16),
+    (3, 2, 3, 16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("hkv,group,topk,d,dtype", COMBINE_CASES)
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_combine_matches_torch(hkv, group, topk, d, dtype, return_lse):
+    g = gen(31 + topk + group)
+    num_tokens = 37
+    po, pm, pl, slot_of = _to(DEVICE, *_random_partials(g, num_tokens, hkv, group, topk, d, dtype))
+    with poisoned_allocations():
+        out, lse = tcomb.combine_triton(po, pm, pl, slot_of, out_dtype=dtype, return_lse=return_lse)
+    ref_out, ref_lse = m3_sparse.combine(po, pm, pl, slot_of, out_dtype=dtype, return_lse=True)
+    assert out.dtype == dtype and out.shape == ref_out.shape
+    assert not is_poisoned(out).any()
+    assert torch.all(out[0] == 0)
+    assert_close("combine out", ref_out.float(), out.float(), TOLERANCES[dtype])
+    if return_lse:
+        assert lse.dtype == torch.float32 and not is_poisoned(lse).any()
+        assert torch.all(lse[:, 0] == float("-inf")) and torch.all(lse[:, 1] == float("-inf"))
+        assert_close("combine lse", ref_lse, lse, LSE_TOL)
+    else:
+        assert lse is None
+
+
+if HAS_CUDA:
+
+    @pytest.mark.parametrize("group,topk", [(1, 4), (4, 8), (8, 16), (16, 16), (16, 32)])
+    def test_combine_matches_torch_cuda(group, topk):
+        g = gen(90 + group + topk)
+        po, pm, pl, slot_of = _to(DEVICE, *_random_partials(g, 3001, 4, group, topk, 128, torch.bfloat16))
+        with poisoned_allocations():
+            out, lse = tcomb.combine_triton(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
+        ref_out, ref_lse = m3_sparse.combine(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
+        assert not is_poisoned(out).any() and not is_poisoned(lse).any()
+        assert_close("combine out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
+        assert_close("combine lse", ref_lse, lse, LSE_TOL)
+
+
+# --------------------------------------------------------------------------- composed
+
+COMPOSED_CASES = [
+    # seqs, page, block, hq, hkv, topk, dtype, causal
+    ([(40, 6), (9, 9), (100, 3)], 16, 32, 8, 2, 4, torch.float32, True),
+    ([(70, 5), (16, 16)], 32, 16, 16, 1, 8, torch.bfloat16, True),
+    ([(130, 4), (5, 5)], 16, 16, 4, 4, 16, torch.float32, False),
+    ([(1, 1), (33, 1), (200, 3)], 16, 16, 6, 2, 4, torch.float16, True),  # decode-like
+]
+
+
+@pytest.mark.parametrize("seqs,page_size,block_size,hq,hkv,topk,dtype,causal", COMPOSED_CASES)
+def test_composed_matches_reference(seqs, page_size, block_size, hq, hkv, topk, dtype, causal):
+    batch, q, k, v, sel = _setup(len(seqs) + topk + hq, seqs, page_size, block_size, hq, hkv, 16, topk, dtype, causal)
+    qd, kd, vd, seld, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    with poisoned_allocations():
+        out, lse = tkv.kvouter_attention_triton(
+            qd, kd, vd, seld, bt, **_device_batch(batch), causal=causal, block_size=block_size, return_lse=True,
+            num_programs=3,
+        )
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (hq, batch.num_tokens)
+    ref_out, ref_lse = sparse_attention_ref(
+        q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, None, causal, block_size
+    )
+    assert_close("out", ref_out, out, TOLERANCES[dtype])
+    assert_close("lse", ref_lse, lse, LSE_TOL)
+
+
+def test_composed_repeated_ids_and_empty_rows():
+    seqs = [(90, 4), (20, 3)]
+    batch, q, k, v, sel = _setup(63, seqs, 16, 16, 4, 2, 16, 4, torch.float32, True, empty_frac=0.0, dup_frac=0.0)
+    rep = sel.clone()
+    rep[..., 1:] = sel[..., :1]
+    rep[0] = -1  # token 0 sees nothing on both heads
+    rep[5, 1] = -1
+    single = rep.clone()
+    single[..., 1:] = -1
+    outs = []
+    for s in (rep, single):
+        qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, s, batch.block_tables)
+        outs.append(tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=16, return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    out, lse = outs[0]
+    assert torch.all(out[0] == 0) and torch.all(lse[:, 0] == float("-inf"))
+    assert torch.all(out[5, 2:] == 0) and torch.all(lse[2:, 5] == float("-inf"))
+
+
+@pytest.mark.parametrize("pad", [-1, 2**31 - 1])
+def test_block_table_padding_is_never_read(pad):
+    g = gen(80)
+    batch = make_batch(g, [(40, 3), (100, 2), (16, 16)], 16, extra_cols=6, pad=pad)
+    q = randn(g, batch.num_tokens, 4, 16)
+    k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
+    sel = random_selection(g, batch, 2, 3, 32, empty_frac=0.0, dup_frac=0.0)
+    qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    out, lse = tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=32, return_lse=True)
+    ref = sparse_attention_ref(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, None, True, 32)
+    assert_close("out", ref[0], out, 1e-5)
+    assert_close("lse", ref[1], lse, 1e-5)
+
+
+def test_rejects_unsupported_block_size():
+    g = gen(1)
+    batch = make_batch(g, [(50, 2)], 16)
+    q = randn(g, 2, 2, 16)
+    k, v = batch.kv_cache(g, 1, 16), batch.kv_cache(g, 1, 16)
+    sel = torch.zeros(2, 1, 1, dtype=torch.int32)
+    qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    with pytest.raises(ValueError, match="block_size"):
+        tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=48)
+
+
+# --------------------------------------------------------------------------- CUDA, full size
+
+
+def sampled_reference(q, k_cache, v_cache, sel, block_tables, cu, kv_lens, tokens, block_size, scale):
+    """Exact attention (fp32, on the device) of the query rows ``tokens`` over their selected
+    blocks, deduplicated: a cheap oracle for shapes too large for the float64 one."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    tokens = tokens.to(torch.int64)
+    seq = torch.searchsorted(cu[1:].to(torch.int64), tokens, right=True)
+    pos = kv_lens.to(torch.int64)[seq] - cu.to(torch.int64)[seq + 1] + tokens
+    s_sel = sel[tokens].to(torch.int64)  # [n, Hkv, K]
+    topk = s_sel.shape[-1]
+    earlier = (s_sel[..., :, None] == s_sel[..., None, :]) & torch.ones(topk, topk, dtype=torch.bool, device=q.device).tril(-1)
+    ok = (s_sel >= 0) & ~earlier.any(-1)
+    kpos = s_sel.clamp(min=0)[..., None] * block_size + torch.arange(block_size, device=q.device)  # [n, Hkv, K, B]
+    vis = ok[..., None] & (kpos <= pos[:, None, None, None]) & (kpos < kv_lens.to(torch.int64)[seq][:, None, None, None])
+    kpos = kpos.clamp(max=block_tables.shape[1] * page_size - 1)
+    page = block_tables.to(torch.int64)[seq[:, None, None, None], kpos // page_size].clamp(min=0)
+    heads = torch.arange(hkv, device=q.device)[None, :, None, None]
+    kk = k_cache[page, heads, kpos % page_size].float().flatten(2, 3)  # [n, Hkv, K*B, D]
+    vv = v_cache[page, heads, kpos % page_size].float().flatten(2, 3)
+    qq = q[tokens].float().view(-1, hkv, group, d)
+    s = torch.einsum("ngd,nkd->ngk", qq.flatten(0, 1), kk.flatten(0, 1)).view(-1, hkv, group, kk.shape[2]) * scale
+    s = s.masked_fill(~vis.flatten(2, 3)[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [n, Hkv, G]
+    w = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("nhgk,nhkd->nhgd", w, vv).reshape(-1, hq, d)
+    return out, lse.reshape(-1, hq).T
+
+
+if HAS_CUDA:
+
+    def test_large_partial_buffer_64bit_offsets():
+        """32K query tokens x 4 kv heads x top-16 x 16 heads x 128 = 4.3e9 partial elements:
+        the last entries' offsets only fit in 64 bits."""
+        torch.manual_seed(3)
+        n, hq, hkv, d, blk, topk = 32768, 64, 4, 128, 128, 16
+        dev = DEVICE
+        nb = n // blk
+        q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
+        bt = torch.randperm(nb, device=dev, dtype=torch.int32)[None]
+        cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+        kv = torch.tensor([n], device=dev, dtype=torch.int32)
+        local = torch.arange(n, device=dev) // blk
+        score = torch.rand(n, hkv, nb, device=dev)
+        score = score.masked_fill(torch.arange(nb, device=dev)[None, None, :] >= local[:, None, None], -1.0)
+        top = score.topk(topk - 1, -1).indices.to(torch.int32)
+        top = torch.where(score.gather(-1, top.long()) >= 0, top, -1)
+        sel = torch.cat([local[:, None, None].expand(n, hkv, 1).to(torch.int32), top], -1)
+        assert n * hkv * topk * (hq // hkv) * d > 2**31
+        out, lse = tkv.kvouter_attention_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
+        tokens = torch.cat([torch.arange(0, 64, device=dev), torch.arange(n - 192, n, device=dev)])
+        ref_out, ref_lse = sampled_reference(q, k, v, sel, bt, cu, kv, tokens, blk, d**-0.5)
+        assert_close("out (sampled)", ref_out, out[tokens].float(), TOLERANCES[torch.bfloat16])
+        assert_close("lse (sampled)", ref_lse, lse[:, tokens], LSE_TOL)
+
+    @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
+    def test_composed_matches_torch_cuda(hq, hkv):
+        seqs = [(700, 500), (64, 64), (1300, 7), (300, 300)]
+        batch, q, k, v, sel = _setup(hq * 3 + hkv, seqs, 64, 128, hq, hkv, 128, 16, torch.bfloat16, True)
+        qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+        kw = _device_batch(batch)
+        with poisoned_allocations():
+            out, lse = tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **kw, return_lse=True)
+        ref_out, ref_lse = m3_sparse.kvouter_attention(qd, kd, vd, sd, bt, **kw, return_lse=True)
+        assert_close("out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref_lse, lse, LSE_TOL)
