@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_64ae4bf4a3"
+NAMESPACE = "_m3_sparse_cpu_381d2cd63f"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -19,7 +19,7 @@ from ._validate import (
     check_tensor,
     check_varlen,
 )
-from ._dispatch import use_triton
+from ._dispatch import kvouter_unsupported, use_triton
 from .combine import combine
 from .dense_attention import dense_paged_attention_torch
 from .kvouter_attention import kvouter_partials
@@ -70,7 +70,7 @@ def kvouter_attention(
     max_blocks = -(-block_tables.shape[1] * page_size // block_size)
     check_selected_values(selected, max_blocks)
     scale = check_scale(softmax_scale, q.shape[2])
-    if use_triton(q):
+    if use_triton(q, kvouter_unsupported(q, k_cache, block_size)):
         from .triton_kvouter import kvouter_attention_triton
 
         return kvouter_attention_triton(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._validate import FLOAT_DTYPES, SUPPORTED_PAGE_SIZES, check_dim, check_positive_int, check_tensor, check_varlen
-from ._dispatch import use_triton
+from ._dispatch import index_unsupported, use_triton
 from .layout import gather_tokens, key_extent, token_positions
 
 # Bound the working set: (queries per chunk) x (keys per chunk) token scores.
@@ -93,7 +93,8 @@ def index_topk(
 
     CUDA tensors run the Triton kernels (``triton_index_topk``), others this torch code.
     """
-    if use_triton(index_q):
+    if isinstance(index_q, torch.Tensor) and isinstance(index_k_cache, torch.Tensor) and index_q.dim() == 3 \
+            and index_k_cache.dim() == 3 and use_triton(index_q, index_unsupported(index_q, index_k_cache, topk, block_size)):
         from .triton_index_topk import index_topk_triton
 
         return index_topk_triton(

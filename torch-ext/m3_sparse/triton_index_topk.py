@@ -46,9 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import INDEX_MAX_TOPK
 from .index_topk import validate_index_topk
 
-MAX_TOPK = 32
+MAX_TOPK = INDEX_MAX_TOPK
 # A row tile holds at most this many (token, head) rows; prefill uses it, decode
 # uses the smallest power of two >= the rows of one sequence (>= 16 for tl.dot).
 PREFILL_BM = 128

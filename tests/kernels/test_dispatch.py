@@ -1,0 +1,46 @@
+"""Which implementation runs: Triton on CUDA when the kernel takes the shapes, torch
+otherwise; an explicit M3_SPARSE_IMPL is obeyed or refused, never swapped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import m3_sparse
+from m3_sparse import _dispatch
+from kernel_test_utils import gen, make_batch, randn, random_selection
+
+
+def test_auto_runs_torch_on_cpu(monkeypatch):
+    monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)
+    assert not _dispatch.use_triton(torch.zeros(1))
+
+
+def test_unknown_impl_is_refused(monkeypatch):
+    monkeypatch.setenv("M3_SPARSE_IMPL", "cuda-graph")
+    with pytest.raises(ValueError, match="M3_SPARSE_IMPL"):
+        _dispatch.use_triton(torch.zeros(1))
+
+
+def test_explicit_triton_refuses_unsupported_shapes(monkeypatch):
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    g = gen(5)
+    batch = make_batch(g, [(40, 3)], 16)
+    q = randn(g, batch.num_tokens, 4, 8)
+    k = batch.kv_cache(g, 2, 8)
+    sel = random_selection(g, batch, 2, 3, 8, empty_frac=0.0, dup_frac=0.0)
+    with pytest.raises(ValueError, match="block_size a power of two >= 16, got 8"):
+        m3_sparse.kvouter_attention(q, k, k, sel, batch.block_tables, **batch.kwargs(), block_size=8)
+    iq = randn(g, batch.num_tokens, 2, 8)
+    ik = randn(g, k.shape[0], 16, 8)
+    with pytest.raises(ValueError, match="index head dim in \\[16, 256\\], got 8"):
+        m3_sparse.index_topk(iq, ik, batch.block_tables, **batch.kwargs(), topk=2, block_size=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
+    monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)
+    q = torch.zeros(4, 4, 8, device="cuda")
+    k = torch.zeros(2, 2, 16, 8, device="cuda")
+    assert not _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 8))
+    assert _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 16))
