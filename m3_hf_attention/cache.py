@@ -1,7 +1,8 @@
 """A static, paged KV cache for MiniMax M3 models (a transformers ``Cache``).
 
 Every layer stores K and V as page pools ``[num_pages, kv_heads, page_size, head_dim]``;
-sparse layers also store their index keys as ``[num_pages, page_size, index_head_dim]``.
+sparse layers also store their index keys as ``[num_pages, page_size, index_head_dim]``
+(optionally as float8 e4m3 codes with a per-token fp32 scale ``[num_pages, page_size]``).
 All layers share one block table ``[batch, pages_per_seq]`` and track the number of
 tokens of each sequence on the device, so sequences of different lengths live in one
 batch without holes: a right-padded prompt writes its pad tokens past the sequence's
@@ -23,6 +24,8 @@ import threading
 
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
+FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0  # largest finite e4m3fn value
 
 # id(page pool) -> layer, so the attention function can tell that the K/V it was
 # handed are the pools of a paged layer (identity is verified on lookup).
@@ -72,6 +75,23 @@ def _debug() -> bool:
     return os.environ.get("M3_SPARSE_DEBUG", "0") not in ("", "0", "false", "False")
 
 
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 quantization of index keys ``[..., Di]``: (codes, fp32 scales ``[...]``)
+    with ``keys ~= codes.float() * scales[..., None]``.
+
+    The scale maps each token's largest magnitude onto e4m3's largest value, so the
+    relative rounding error of every element is at most 2^-4 (3 mantissa bits) down to
+    e4m3's normal range. A zero key gets a tiny positive scale, never 0: a zero scale
+    would make the key's codes meaningless and 0/0 would give NaN codes.
+    """
+    k = keys.float()
+    scales = (k.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    # Rounding of the division can overshoot 448 by an ulp; e4m3fn has no inf, and
+    # an out-of-range cast is NaN on some backends.
+    codes = (k / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_INDEX_DTYPE)
+    return codes, scales
+
+
 def paged_layer_of(key: torch.Tensor) -> "M3PagedLayer | None":
     ref = _POOL_OWNERS.get(id(key))
     layer = ref() if ref is not None else None
@@ -93,6 +113,7 @@ class M3PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.is_sparse = is_sparse
         self.index_keys: torch.Tensor | None = None
+        self.index_scales: torch.Tensor | None = None  # [pages + 1, page_size] fp32 with fp8 index keys
         self.seq_lens: torch.Tensor | None = None  # [B] int32 committed tokens per sequence
         self.step_kv_lens: torch.Tensor | None = None  # [B] int32 tokens visible to the current step
         self.pending: torch.Tensor | None = None  # [B] int32 tokens the current step will commit
@@ -131,9 +152,12 @@ class M3PagedLayer(CacheLayerMixin):
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         if self.is_sparse:
+            index_dtype = cache.index_key_dtype or dtype
             self.index_keys = torch.zeros(
-                cache.num_pages + 1, cache.page_size, cache.index_head_dim, dtype=dtype, device=device
+                cache.num_pages + 1, cache.page_size, cache.index_head_dim, dtype=index_dtype, device=device
             )
+            if cache.index_key_dtype is not None:
+                self.index_scales = torch.zeros(cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device)
         self.seq_lens = torch.zeros(cache.max_batch, dtype=torch.int32, device=device)
         self.step_kv_lens = self.seq_lens.clone()
         self.pending = None
@@ -215,7 +239,13 @@ class M3PagedLayer(CacheLayerMixin):
             )
         if self.index_written:
             raise RuntimeError(f"index keys of layer {self.layer_idx} were already written for this step")
-        self._write(self.index_keys, index_keys)
+        if self.index_scales is None:
+            self._write(self.index_keys, index_keys)
+        else:
+            codes, scales = quantize_index_keys(index_keys[:, 0])
+            # Same (page, slot) for codes and scales: leading pads land on the scratch page for both.
+            self.index_keys.index_put_((self._step_page, self._step_slot), codes)
+            self.index_scales.index_put_((self._step_page, self._step_slot), scales)
         self.index_written = True
         return self.index_keys
 
@@ -241,6 +271,8 @@ class M3PagedLayer(CacheLayerMixin):
             self.values.zero_()
             if self.index_keys is not None:
                 self.index_keys.zero_()
+            if self.index_scales is not None:
+                self.index_scales.zero_()
             self.seq_lens.zero_()
             self.step_kv_lens.zero_()
         self.pending = None
@@ -266,6 +298,14 @@ class M3PagedCache(Cache):
         block_tables: optional ``[batch_size, ceil(max_cache_len / page_size)]`` page ids into a
             pool of ``num_pages`` pages (default: each sequence owns a contiguous run of pages).
         num_pages: size of the page pool when ``block_tables`` is given.
+        index_key_dtype: storage of the sparse layers' index keys. ``None`` (default) keeps the
+            model dtype; ``torch.float8_e4m3fn`` stores e4m3 codes plus a per-token fp32 scale
+            (``amax(|k|) / 448``), quantized on write: the index-key pool takes half the bytes of a
+            bf16 one (plus 4 bytes per token of scale) and the index branch reads half as much.
+            The ranking uses the dequantized keys, so near-equal blocks may swap.
+        index_fp8_dot: with fp8 index keys, also quantize the index queries to e4m3 inside the
+            GPU (Triton) index kernel so its scores run on the fp8 tensor cores: faster prefill,
+            noisier ranking. The CPU (torch) path ignores it. Default False.
     """
 
     def __init__(
@@ -279,6 +319,8 @@ class M3PagedCache(Cache):
         dtype: torch.dtype | None = None,
         block_tables: torch.Tensor | None = None,
         num_pages: int | None = None,
+        index_key_dtype: torch.dtype | None = None,
+        index_fp8_dot: bool = False,
     ):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         for name, value in (("batch_size", batch_size), ("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -286,6 +328,15 @@ class M3PagedCache(Cache):
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if page_size not in (16, 32, 64, 128):
             raise ValueError(f"page_size: expected one of (16, 32, 64, 128), got {page_size}")
+        if index_key_dtype is not None and (FP8_INDEX_DTYPE is None or index_key_dtype != FP8_INDEX_DTYPE):
+            raise ValueError(
+                "index_key_dtype: expected None (store index keys in the model dtype) or torch.float8_e4m3fn, "
+                f"got {index_key_dtype!r}"
+            )
+        if not isinstance(index_fp8_dot, bool):
+            raise ValueError(f"index_fp8_dot: expected a bool, got {index_fp8_dot!r}")
+        if index_fp8_dot and index_key_dtype is None:
+            raise ValueError("index_fp8_dot: needs index_key_dtype=torch.float8_e4m3fn (fp8 index keys)")
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self._text_config = text
         self.max_batch = batch_size
@@ -293,6 +344,8 @@ class M3PagedCache(Cache):
         self.page_size = page_size
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
+        self.index_key_dtype = index_key_dtype
+        self.index_fp8_dot = index_fp8_dot
         self.index_head_dim = getattr(text, "index_head_dim", 0)
         self.pages_per_seq = -(-max_cache_len // page_size)
         if block_tables is None:
@@ -375,5 +428,7 @@ class M3PagedCache(Cache):
     def __repr__(self) -> str:
         return (
             f"M3PagedCache(batch={self.max_batch}, max_cache_len={self.max_cache_len}, page_size={self.page_size}, "
-            f"num_pages={self.num_pages}, layers={len(self.layers)})"
+            f"num_pages={self.num_pages}, layers={len(self.layers)}"
+            + (f", index_key_dtype={self.index_key_dtype}" if self.index_key_dtype is not None else "")
+            + ")"
         )

@@ -95,7 +95,9 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     """``MiniMaxM3VLIndexer.forward`` while ``m3_sparse`` is active.
 
     Returns block indices ``[B, index_heads, Sq, topk]`` (``-1`` padded) like the stock
-    indexer, computed by ``m3_sparse.index_topk`` over the paged index-key cache.
+    indexer, computed by ``m3_sparse.index_topk`` over the paged index-key cache (fp8
+    codes and their per-token scales when the cache was built with
+    ``index_key_dtype=torch.float8_e4m3fn``).
     """
     if not is_active(self.config):
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
@@ -109,10 +111,15 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     idx_q, idx_k = m3.apply_rotary_pos_emb(idx_q, idx_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
 
     layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
+    fp8_args = {}
     if layer is not None:
         pool = layer.update_index(idx_k)
         tables, kv_lens = layer.block_tables, layer.step_kv_lens
         cu = torch.arange(batch + 1, dtype=torch.int32, device=idx_q.device) * q_len
+        if layer.index_scales is not None:
+            # Only fp8 caches pass these, so a kernel build that predates them still
+            # serves every other cache.
+            fp8_args = {"index_k_scale": layer.index_scales, "fp8_dot": past_key_values.index_fp8_dot}
     else:
         history = idx_k
         if past_key_values is not None:
@@ -130,6 +137,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         block_size=self.block_size,
         local_blocks=self.local_blocks,
         max_seqlen_q=q_len,
+        **fp8_args,
     )
     return selected.view(batch, q_len, self.num_heads, self.topk_blocks).permute(0, 2, 1, 3)
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_381d2cd63f"
+NAMESPACE = "_m3_sparse_cuda_293bbcdf87"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -7,10 +7,12 @@ Public ops (token-major queries, paged caches; see ``interface.py``):
 * ``dense_paged_attention``: dense attention over the same paged cache;
 * pipeline stages of ``kvouter_attention``: ``build_kvouter_index``, ``schedule``,
   ``kvouter_partials``, ``combine``;
-* ``reference``: naive per-token oracles for tests.
+* ``reference``: naive per-token oracles for tests;
+* ``ops``: the same three ops as ``torch.library`` custom ops with fake implementations
+  (``custom_ops.py``), for ``torch.compile``.
 """
 
-from . import reference
+from . import custom_ops, reference
 from ._ops import add_op_namespace_prefix, ops
 from .combine import combine
 from .index_topk import index_topk

@@ -9,6 +9,10 @@ before them (ties to the lower block id), unused slots are ``-1``.
 This torch implementation streams over key chunks, so its memory is
 ``O(query_chunk x (key_chunk x D + blocks))`` whatever the sequence length:
 the ``[Tq, Tk]`` score matrix is never formed.
+
+fp8 index keys: an ``index_k_cache`` of ``torch.float8_e4m3fn`` holds e4m3 codes,
+and ``index_k_scale`` ``[pages, page_size]`` fp32 their per-token dequantization
+scale; the selection is the one of the keys ``cache.float() * scale``.
 """
 
 from __future__ import annotations
@@ -22,13 +26,41 @@ from .layout import gather_tokens, key_extent, token_positions
 # Bound the working set: (queries per chunk) x (keys per chunk) token scores.
 QUERY_CHUNK = 64
 KEY_CHUNK = 2048
+# e4m3fn only: it is what Hopper's fp8 tensor cores take (e4m3fnuz is AMD's encoding),
+# and its 3 mantissa bits are enough for ranking while e5m2's 2 are not.
+FP8_INDEX_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
 
-def validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks):
+def check_index_k_scale(index_k_cache: torch.Tensor, index_k_scale) -> None:
+    """An fp8 cache needs its per-token scale ``[pages, page_size]`` fp32; any other
+    cache must come without one (a stray scale would otherwise be silently ignored)."""
+    if index_k_cache.dtype in FP8_INDEX_DTYPES:
+        if index_k_scale is None:
+            raise ValueError(
+                "index_k_scale: required with an fp8 (float8_e4m3fn) index_k_cache: pass its per-token fp32 "
+                f"dequantization scale of shape {tuple(index_k_cache.shape[:2])} ([pages, page_size])"
+            )
+        check_tensor("index_k_scale", index_k_scale, ndim=2, dtypes=(torch.float32,), device=index_k_cache.device)
+        if tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]):
+            raise ValueError(
+                f"index_k_scale: expected shape {tuple(index_k_cache.shape[:2])} ([pages, page_size] of "
+                f"index_k_cache), got {tuple(index_k_scale.shape)}"
+            )
+    elif index_k_scale is not None:
+        raise ValueError(
+            "index_k_scale: only an fp8 (float8_e4m3fn) index_k_cache takes a scale; index_k_cache is "
+            f"{str(index_k_cache.dtype).replace('torch.', '')}"
+        )
+
+
+def validate_index_topk(
+    index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks, index_k_scale=None
+):
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
     device = index_q.device
-    check_tensor("index_k_cache", index_k_cache, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("index_k_cache", index_k_cache, ndim=3, dtypes=FLOAT_DTYPES + FP8_INDEX_DTYPES, device=device)
     check_dim("index_k_cache", index_k_cache, 2, index_q.shape[2], "index head dim (index_q.shape[2])")
+    check_index_k_scale(index_k_cache, index_k_scale)
     if index_k_cache.shape[1] not in SUPPORTED_PAGE_SIZES:
         raise ValueError(
             f"index_k_cache: page size {index_k_cache.shape[1]} is not supported; expected one of {SUPPORTED_PAGE_SIZES}"
@@ -81,18 +113,38 @@ def index_topk(
     block_size: int = 128,
     local_blocks: int = 1,
     max_seqlen_q: int | None = None,
+    index_k_scale: torch.Tensor | None = None,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Select ``topk`` key blocks per (query token, index head).
 
     index_q: [Tq, Hi, Di] token-major index queries (already normed and rotated);
-    index_k_cache: [pages, page_size, Di] the single shared index-key head, paged;
+    index_k_cache: [pages, page_size, Di] the single shared index-key head, paged
+    (bf16/fp16/fp32, or float8_e4m3fn codes with ``index_k_scale``);
     block_tables: [B, max_pages] int; cu_seqlens_q: [B + 1] int; used_kv_lens: [B] int
     (cached tokens per sequence, the new queries included, right aligned).
     Returns ``selected`` [Tq, Hi, topk] int32, ``-1`` in unused slots.
     ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's tiling.
 
+    index_k_scale: [pages, page_size] fp32, required with an fp8 ``index_k_cache``
+    and rejected otherwise: key ``j`` is ``index_k_cache[j].float() * index_k_scale[j]``.
+    fp8_dot: fp8 caches only, and only the Triton path reads it: the query rows are
+    quantized to e4m3 as well so the scores run on the fp8 tensor cores (faster
+    prefill, noisier ranking). The torch path always scores the exact query
+    against the dequantized keys.
+
     CUDA tensors run the Triton kernels (``triton_index_topk``), others this torch code.
     """
+    if not isinstance(fp8_dot, bool):
+        raise ValueError(f"fp8_dot: expected a bool, got {fp8_dot!r}")
+    if isinstance(index_k_cache, torch.Tensor):
+        # Checked here, before dispatch, so both paths reject the same pairings.
+        check_index_k_scale(index_k_cache, index_k_scale)
+        if fp8_dot and index_k_cache.dtype not in FP8_INDEX_DTYPES:
+            raise ValueError(
+                "fp8_dot: only applies to an fp8 (float8_e4m3fn) index_k_cache; index_k_cache is "
+                f"{str(index_k_cache.dtype).replace('torch.', '')}"
+            )
     if isinstance(index_q, torch.Tensor) and isinstance(index_k_cache, torch.Tensor) and index_q.dim() == 3 \
             and index_k_cache.dim() == 3 and use_triton(index_q, index_unsupported(index_q, index_k_cache, topk, block_size)):
         from .triton_index_topk import index_topk_triton
@@ -107,6 +159,8 @@ def index_topk(
             block_size=block_size,
             local_blocks=local_blocks,
             max_seqlen_q=max_seqlen_q,
+            index_k_scale=index_k_scale,
+            fp8_dot=fp8_dot,
         )
     return index_topk_torch(
         index_q,
@@ -117,6 +171,7 @@ def index_topk(
         topk=topk,
         block_size=block_size,
         local_blocks=local_blocks,
+        index_k_scale=index_k_scale,
     )
 
 
@@ -130,9 +185,17 @@ def index_topk_torch(
     topk: int,
     block_size: int = 128,
     local_blocks: int = 1,
+    index_k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch implementation of :func:`index_topk` (CPU path and oracle for the kernels)."""
-    validate_index_topk(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks)
+    """The torch implementation of :func:`index_topk` (CPU path and oracle for the kernels).
+
+    With an fp8 cache the gathered keys are dequantized (``codes.float() * scale``)
+    and scored in fp32 against the unquantized queries.
+    """
+    validate_index_topk(
+        index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks,
+        index_k_scale=index_k_scale,
+    )
     num_tokens, heads, _ = index_q.shape
     page_size = index_k_cache.shape[1]
     capacity = key_extent(used_kv_lens, block_tables.shape[1] * page_size)
@@ -152,8 +215,11 @@ def index_topk_torch(
             kpos = torch.arange(k0, k1, device=iq.device)
             visible = kpos[None, :] <= pos[:, None]  # [Cq, Kc]
             safe = torch.minimum(kpos[None, :].expand_as(visible), pos[:, None])
-            keys = gather_tokens(index_k_cache, block_tables, seq[:, None].expand_as(safe), safe, page_size)
-            s = torch.einsum("qhd,qkd->qhk", iq, keys.float())  # [Cq, Hi, Kc]
+            rows = seq[:, None].expand_as(safe)
+            keys = gather_tokens(index_k_cache, block_tables, rows, safe, page_size).float()
+            if index_k_scale is not None:
+                keys = keys * gather_tokens(index_k_scale, block_tables, rows, safe, page_size)[..., None]
+            s = torch.einsum("qhd,qkd->qhk", iq, keys)  # [Cq, Hi, Kc]
             s = s.masked_fill(~visible[:, None, :], float("-inf"))
             nbc = (k1 - k0) // block_size
             scores[:, :, k0 // block_size : k0 // block_size + nbc] = s.view(q1 - q0, heads, nbc, block_size).amax(-1)

@@ -1,0 +1,114 @@
+"""The public ops as ``torch.library`` custom ops with fake (meta) implementations.
+
+Registered under this build's namespace (``_ops.NAMESPACE``), so ``torch.compile``
+traces a call as one opaque node whose output shapes come from the fake
+implementation: the ops' host-side validation and Python loops never reach the
+graph, and ``fullgraph=True`` compiles code that calls them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from ._ops import NAMESPACE
+from .index_topk import index_topk
+from .interface import dense_paged_attention, kvouter_attention
+
+
+@custom_op(f"{NAMESPACE}::index_topk", mutates_args=())
+def index_topk_op(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    index_k_scale: torch.Tensor | None,
+    topk: int,
+    block_size: int,
+    local_blocks: int,
+    max_seqlen_q: int,
+    fp8_dot: bool,
+) -> torch.Tensor:
+    extra = {} if index_k_scale is None else {"index_k_scale": index_k_scale, "fp8_dot": fp8_dot}
+    return index_topk(
+        index_q,
+        index_k_cache,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        topk=topk,
+        block_size=block_size,
+        local_blocks=local_blocks,
+        max_seqlen_q=max_seqlen_q if max_seqlen_q > 0 else None,
+        **extra,
+    )
+
+
+@index_topk_op.register_fake
+def _(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, index_k_scale, topk, block_size, local_blocks, max_seqlen_q, fp8_dot):
+    return index_q.new_empty((index_q.shape[0], index_q.shape[1], topk), dtype=torch.int32)
+
+
+@custom_op(f"{NAMESPACE}::kvouter_attention", mutates_args=())
+def kvouter_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = kvouter_attention(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=True,
+    )
+    return out, lse
+
+
+@kvouter_attention_op.register_fake
+def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::dense_paged_attention", mutates_args=())
+def dense_paged_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = dense_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        return_lse=True,
+    )
+    return out, lse
+
+
+@dense_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
