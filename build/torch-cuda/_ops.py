@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_293bbcdf87"
+NAMESPACE = "_m3_sparse_cuda_1e1038123e"
 
 ops = getattr(torch.ops, NAMESPACE)
 

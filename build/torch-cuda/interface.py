@@ -25,6 +25,32 @@ from .dense_attention import dense_paged_attention_torch
 from .kvouter_attention import kvouter_partials
 from .kvouter_index import build_kvouter_index
 
+def validate_kvouter(
+    q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
+):
+    """Checks of :func:`kvouter_attention` (shared with the Triton path). Returns
+    (batch size, blocks per sequence, softmax scale)."""
+    check_kv(q, k_cache, v_cache, page_size)
+    page_size = k_cache.shape[2]
+    check_positive_int("block_size", block_size)
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES, device=q.device)
+    check_dim("selected", selected, 0, q.shape[0], "query tokens (q.shape[0])")
+    check_dim("selected", selected, 1, k_cache.shape[1], "KV heads (k_cache.shape[1])")
+    batch = check_varlen(
+        cu_seqlens_q,
+        used_kv_lens,
+        block_tables,
+        num_tokens=q.shape[0],
+        page_size=page_size,
+        num_pages=k_cache.shape[0],
+        device=q.device,
+    )
+    max_blocks = -(-block_tables.shape[1] * page_size // block_size)
+    check_selected_values(selected, max_blocks)
+    scale = check_scale(softmax_scale, q.shape[2])
+    return batch, max_blocks, scale
+
+
 def kvouter_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -52,24 +78,9 @@ def kvouter_attention(
     CUDA tensors run the Triton partials and combine kernels (``triton_kvouter``),
     others the torch stages.
     """
-    check_kv(q, k_cache, v_cache, page_size)
-    page_size = k_cache.shape[2]
-    check_positive_int("block_size", block_size)
-    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES, device=q.device)
-    check_dim("selected", selected, 0, q.shape[0], "query tokens (q.shape[0])")
-    check_dim("selected", selected, 1, k_cache.shape[1], "KV heads (k_cache.shape[1])")
-    batch = check_varlen(
-        cu_seqlens_q,
-        used_kv_lens,
-        block_tables,
-        num_tokens=q.shape[0],
-        page_size=page_size,
-        num_pages=k_cache.shape[0],
-        device=q.device,
+    batch, max_blocks, scale = validate_kvouter(
+        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
     )
-    max_blocks = -(-block_tables.shape[1] * page_size // block_size)
-    check_selected_values(selected, max_blocks)
-    scale = check_scale(softmax_scale, q.shape[2])
     if use_triton(q, kvouter_unsupported(q, k_cache, block_size)):
         from .triton_kvouter import kvouter_attention_triton
 

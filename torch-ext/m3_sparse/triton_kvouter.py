@@ -23,13 +23,10 @@ Partial offsets are 64-bit: at 32K+ tokens the buffer holds more than 2^31 eleme
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dim, check_positive_int, check_tensor, check_varlen
 from .kvouter_index import KVOuterIndex, build_kvouter_index
 from .scheduler import Schedule, schedule
 
@@ -420,40 +417,19 @@ def kvouter_attention_triton(
 
     A repeated id in one (token, kv head) row counts once (the index builder drops it).
     """
+    from .interface import validate_kvouter
     from .triton_combine import combine_triton
 
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    device = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=device)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    check_dim("k_cache", k_cache, 3, q.shape[2], "head dim (q.shape[2])")
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"q/k_cache: query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES, device=device)
-    check_dim("selected", selected, 0, q.shape[0], "query tokens (q.shape[0])")
-    check_dim("selected", selected, 1, hkv, "KV heads (k_cache.shape[1])")
-    check_positive_int("block_size", block_size)
-    page_size = k_cache.shape[2]
-    batch = check_varlen(
-        cu_seqlens_q,
-        used_kv_lens,
-        block_tables,
-        num_tokens=q.shape[0],
-        page_size=page_size,
-        num_pages=k_cache.shape[0],
-        device=device,
+    batch, max_blocks, softmax_scale = validate_kvouter(
+        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, None, block_size
     )
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[2])
+    device = q.device
+    hq, hkv = q.shape[1], k_cache.shape[1]
     group = hq // hkv
     if tile_q is None:
         tile_q = default_tile_q(group)
     if num_programs is None:
         num_programs = default_num_programs(device)
-    max_blocks = -(-block_tables.shape[1] * page_size // block_size)
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     sched = schedule(index, tile_q=tile_q, num_programs=num_programs)
     partial_o, partial_m, partial_l = kvouter_partials_triton(
