@@ -15,12 +15,13 @@ is written and without a device synchronization.
 
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-import threading
 
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
@@ -58,7 +59,7 @@ def new_token_layout(mask: torch.Tensor | None, batch: int, total: int, q_len: i
     new = mask[:, -q_len:].to(device=device, dtype=torch.bool)
     n = new.sum(-1)
     lead = torch.where(n > 0, new.to(torch.int8).argmax(-1), q_len).to(torch.int64)
-    if new.device.type == "cpu" or _debug():
+    if new.device.type == "cpu" or debug_enabled():
         idx = torch.arange(q_len, device=new.device)
         expected = (idx[None, :] >= lead[:, None]) & (idx[None, :] < (lead + n)[:, None])
         if not bool((expected == new).all()):
@@ -69,9 +70,8 @@ def new_token_layout(mask: torch.Tensor | None, batch: int, total: int, q_len: i
     return lead, n
 
 
-def _debug() -> bool:
-    import os
-
+def debug_enabled() -> bool:
+    """``M3_SPARSE_DEBUG=1``: also run the checks that read device values (a host sync)."""
     return os.environ.get("M3_SPARSE_DEBUG", "0") not in ("", "0", "false", "False")
 
 

@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
 from ._kernel import load_kernel
-from .cache import M3PagedCache, M3PagedLayer, new_token_layout, paged_layer_of, set_step_mask, step_mask
+from .cache import M3PagedCache, M3PagedLayer, debug_enabled, new_token_layout, paged_layer_of, set_step_mask, step_mask
 
 ATTN_IMPLEMENTATION = "m3_sparse"
 EPHEMERAL_PAGE_SIZE = 64
@@ -54,7 +54,7 @@ def _check_no_holes(attention_mask: torch.Tensor | None, q_len: int) -> None:
     """A contiguous (non-paged) cache cannot skip padding inside the history."""
     if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] == q_len:
         return
-    if attention_mask.device.type != "cpu" and not _debug():
+    if attention_mask.device.type != "cpu" and not debug_enabled():
         return
     if not bool(attention_mask.all()):
         raise ValueError(
@@ -62,12 +62,6 @@ def _check_no_holes(attention_mask: torch.Tensor | None, q_len: int) -> None:
             "which this path cannot skip. Pass past_key_values=m3_hf_attention.M3PagedCache(...) (generate() does "
             "so by default with attn_implementation='m3_sparse')."
         )
-
-
-def _debug() -> bool:
-    import os
-
-    return os.environ.get("M3_SPARSE_DEBUG", "0") not in ("", "0", "false", "False")
 
 
 def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.Tensor | None):
