@@ -22,7 +22,6 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
