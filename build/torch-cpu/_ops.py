@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_1e1038123e"
+NAMESPACE = "_m3_sparse_cpu_b33d79a1c9"
 
 ops = getattr(torch.ops, NAMESPACE)
 

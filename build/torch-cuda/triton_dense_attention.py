@@ -1,0 +1,305 @@
+"""Triton dense attention over the paged K/V cache (FlashAttention-style forward).
+
+Same contract as :func:`dense_attention.dense_paged_attention_torch` (that torch
+version is the oracle): ``out [Tq, Hq, D]`` in q's dtype, ``lse [Hq, Tq]`` fp32 or
+None; a row that sees no key (negative position, or an empty cache) gives zeros and
+an lse of -inf.
+
+One program per (query tile of one sequence, kv head):
+
+* GQA head packing: row ``i * GP + h`` of the tile is head ``g * G + h`` of the
+  tile's i-th token (GP = G rounded up to a power of two), so the G query heads
+  sharing kv head ``g`` read each K/V tile once;
+* keys stream in tiles of BLOCK_N through the block table, one table entry per key,
+  so BLOCK_N may be smaller than a page (several tiles per page) or larger (one tile
+  spans several pages) without a special case;
+* online softmax in base 2, fp32 accumulation; only key tiles past the tile's
+  smallest visible limit pay for the per-row mask.
+
+The grid is sized from host-known shapes: sequence ``b``'s tiles are numbered from
+``cu_seqlens_q[b] // TM + b``, which never overlaps the next sequence's numbering,
+so ``Tq // TM + B`` programs cover every tile; a program finds its sequence by a
+binary search over ``cu_seqlens_q`` on the device and leaves if its tile holds no
+row. Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Rows per tile (tokens x padded heads) and keys per tile; BLOCK_M is a cap, a
+# decode batch gets fewer tokens per tile (see _tile_tokens).
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+    BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BN)."""
+    k_pos = start_n + offs_n
+    if MASK:
+        # Keys at or past `hi` may sit behind table entries that hold garbage.
+        k_ok = k_pos < hi
+        page = tl.load(bt_row_ptr + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(bt_row_ptr + k_pos // PS).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    slot = (k_pos % PS).to(tl.int64)
+    p_k = k_ptr + (page * stride_kp + kv_head_off_k + slot * stride_ks)[:, None] + offs_d[None, :]
+    p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
+    b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BN, BD]
+    b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BN], log2 units
+    if MASK:
+        b_s = tl.where(k_pos[None, :] < lim[:, None], b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [BM]
+    # A row that has seen nothing yet keeps m = -inf; exp2 against 0 keeps it NaN-free.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [BM]
+    b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    if UPCAST:
+        b_pv = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+    else:
+        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
+    acc = acc * alpha[:, None] + b_pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dense_paged_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ks,
+    stride_vp,
+    stride_vh,
+    stride_vs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    num_tokens,
+    num_seqs,
+    qk_scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    TM: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    PS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    BM: tl.constexpr = TM * GP
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+
+    # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
+    lo = pid * 0
+    hi_b = lo + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi_b) // 2
+        first_tile = tl.load(cu_ptr + mid) // TM + mid
+        right = first_tile <= pid
+        lo = tl.where(right, mid, lo)
+        hi_b = tl.where(right, hi_b, mid)
+    seq = lo
+    q_beg = tl.load(cu_ptr + seq)
+    q_end = tl.load(cu_ptr + seq + 1)
+    q_start = q_beg + (pid - (q_beg // TM + seq)) * TM
+    # The grid is an upper bound: tile numbers past a sequence's rows own nothing.
+    if q_start >= q_end:
+        return
+
+    kv_len = tl.load(kvlen_ptr + seq)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    tok = q_start + offs_m // GP
+    r_head = offs_m % GP
+    row_ok = (tok < q_end) & (r_head < G)
+    head = g * G + r_head
+    # Queries are the last tokens of their sequence: position = kv_len - q_end + token.
+    pos = kv_len - q_end + tok
+    if CAUSAL:
+        lim = pos + 1
+    else:
+        lim = tl.zeros_like(pos) + kv_len
+    # Keys [0, lim) are visible; rows before the first key and padding rows see none.
+    lim = tl.where(row_ok & (pos >= 0), lim, 0)
+    hi = tl.max(lim, 0)
+    lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+    # Keys below every row's limit need no mask (and are all < kv_len: real pages).
+    n_full = (lim_min // BN) * BN
+
+    p_q = q_ptr + (tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
+    b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off_k = g.to(tl.int64) * stride_kh
+    kv_head_off_v = g.to(tl.int64) * stride_vh
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for start_n in range(0, n_full, BN):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+            BN, PS, False, PREC, UPCAST,
+        )
+    for start_n in range(n_full, hi, BN):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+            BN, PS, True, PREC, UPCAST,
+        )
+
+    empty = l_i == 0.0
+    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, BD]
+    b_o = tl.where(empty[:, None], 0.0, b_o)
+    p_o = o_ptr + (tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(lse_ptr + head.to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+
+
+def _interpreting() -> bool:
+    return type(_dense_paged_attn_kernel).__name__ == "InterpretedFunction"
+
+
+def _tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
+    """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
+    and at least 16 rows (the smallest MMA M)."""
+    tm = min(max(1, block_m // group_pad), _next_pow2(max(1, max_q)))
+    return max(tm, _next_pow2(-(-16 // group_pad)))
+
+
+def dense_paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    return_lse: bool,
+    max_seqlen_q: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None).
+
+    ``max_seqlen_q`` (host-known, an upper bound is enough) only shrinks the query
+    tile for decode-like batches; results never depend on it. ``block_n`` must be a
+    power of two >= 16; it need not divide ``page_size``.
+    """
+    num_tokens, hq, d = q.shape
+    _, hkv, page_size, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of the cache's kv heads ({hkv})")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
+    group = hq // hkv
+    gp = _next_pow2(group)
+    bn = BLOCK_N if block_n is None else int(block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    device = q.device
+    out = torch.empty_like(q)
+    if out.stride(2) != 1:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    batch = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or batch <= 0:
+        return out, lse
+    tm = _tile_tokens(gp, num_tokens if max_seqlen_q is None else min(int(max_seqlen_q), num_tokens),
+                      BLOCK_M if block_m is None else int(block_m))
+    rows = tm * gp
+    bd = max(16, _next_pow2(d))
+    if num_warps is None:
+        num_warps = 8 if rows >= 128 and bd >= 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
+    # rounded operands give the GPU kernel's result.
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    grid = (num_tokens // tm + batch, hkv)
+    _dense_paged_attn_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        used_kv_lens,
+        out,
+        lse if lse is not None else out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_tokens,
+        batch,
+        float(softmax_scale) * LOG2E,
+        G=group,
+        GP=gp,
+        TM=tm,
+        D=d,
+        BD=bd,
+        BN=bn,
+        PS=page_size,
+        CAUSAL=bool(causal),
+        RETURN_LSE=bool(return_lse),
+        SEARCH_STEPS=max(0, batch - 1).bit_length(),
+        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out, lse

@@ -1,0 +1,172 @@
+"""Triton dense paged attention against the float64 oracle (reference.dense_attention_ref)
+and the torch implementation (dense_paged_attention_torch), on fresh random inputs.
+
+Without a CUDA device the kernel runs in Triton's interpreter at tiny shapes; with one
+the same tests run natively.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton picks the interpreter when a kernel is decorated: this must precede the
+    # first import of the kernel module (it is re-decorated below if it came too late).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from kernel_test_utils import (  # noqa: E402
+    TOLERANCES,
+    assert_close,
+    gen,
+    is_poisoned,
+    make_batch,
+    poisoned_allocations,
+    randn,
+)
+from m3_sparse.dense_attention import dense_paged_attention_torch  # noqa: E402
+from m3_sparse.reference import dense_attention_ref  # noqa: E402
+
+
+def _kernel_module():
+    name = "m3_sparse.triton_dense_attention"
+    mod = importlib.import_module(name)
+    if not HAS_CUDA and sys.modules.get(name) is mod and type(mod._dense_paged_attn_kernel).__name__ != "InterpretedFunction":
+        mod = importlib.reload(mod)
+    return mod
+
+
+tda = _kernel_module()
+
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+LSE_TOL = TOLERANCES[torch.float32]
+SCALE = 0.3
+
+# (kv_len, q_len): chunked prefill, full prefill, decode, an empty sequence, rows
+# before the first key (kv_len < q_len), a query-less sequence, an empty cache.
+RAGGED = [(37, 5), (21, 21), (23, 1), (0, 0), (3, 7), (70, 0), (0, 2), (66, 3)]
+
+
+def _problem(seed, seqs, page_size, hq, hkv, d, dtype, pad="pool"):
+    g = gen(seed)
+    batch = make_batch(g, seqs, page_size, pad=pad)
+    q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
+    k = batch.kv_cache(g, hkv, d, dtype)
+    v = batch.kv_cache(g, hkv, d, dtype)
+    return batch, q, k, v
+
+
+def _run(batch, q, k, v, causal, return_lse=True, **kwargs):
+    q, k, v, bt = (x.to(DEVICE) for x in (q, k, v, batch.block_tables))
+    kw = {"cu_seqlens_q": batch.cu_seqlens_q.to(DEVICE), "used_kv_lens": batch.used_kv_lens.to(DEVICE)}
+    with poisoned_allocations():
+        out, lse = tda.dense_paged_attention_triton(
+            q, k, v, bt, **kw, softmax_scale=SCALE, causal=causal, return_lse=return_lse, **kwargs
+        )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    bad = is_poisoned(out)
+    assert not bad.any(), f"out: {int(bad.sum())} elements never written, first {torch.nonzero(bad)[0].tolist()}"
+    if return_lse:
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        bad = is_poisoned(lse)
+        assert not bad.any(), f"lse: {int(bad.sum())} elements never written"
+    else:
+        assert lse is None
+    return out.cpu(), None if lse is None else lse.cpu()
+
+
+def _check(batch, q, k, v, causal, dtype, out, lse, against_torch=True):
+    ref_o, ref_lse = dense_attention_ref(
+        q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal
+    )
+    assert_close("out vs oracle", ref_o, out, TOLERANCES[dtype])
+    if lse is not None:
+        assert_close("lse vs oracle", ref_lse, lse, LSE_TOL)
+    # Rows that see no key: exact zeros, lse -inf.
+    dead = ref_lse.transpose(0, 1) == float("-inf")  # [Tq, Hq]
+    assert torch.all(out[dead] == 0)
+    if against_torch:
+        t_o, t_lse = dense_paged_attention_torch(
+            q, k, v, batch.block_tables, **batch.kwargs(), softmax_scale=SCALE, causal=causal, return_lse=True
+        )
+        # Both round to the output dtype once: twice the oracle's budget.
+        assert_close("out vs torch", t_o, out, 2 * TOLERANCES[dtype])
+        if lse is not None:
+            assert_close("lse vs torch", t_lse, lse, LSE_TOL)
+
+
+HEADS = [(4, 4), (8, 2), (16, 2), (4, 1)]  # MHA, GQA G=4, GQA G=8, MQA
+HEAD_IDS = ["mha", "gqa4", "gqa8", "mqa"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)
+def test_ragged_batch(hq, hkv, page_size, causal, dtype):
+    seed = hq * 1000 + hkv * 100 + page_size + int(causal)
+    batch, q, k, v = _problem(seed, RAGGED, page_size, hq, hkv, 16, dtype)
+    out, lse = _run(batch, q, k, v, causal)
+    _check(batch, q, k, v, causal, dtype, out, lse)
+
+
+# Key tiles smaller than a page (several per page), equal, and spanning several pages;
+# small query tiles so that sequences own several tiles and the tile search runs deep.
+@pytest.mark.parametrize(
+    "page_size,block_m,block_n",
+    [(64, 16, 16), (64, 32, 32), (16, 16, 128), (16, 64, 16)],
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tile_shapes(page_size, block_m, block_n, causal):
+    seqs = [(90, 40), (17, 17), (5, 9), (130, 1), (48, 33)]
+    batch, q, k, v = _problem(7 + page_size + block_n, seqs, page_size, 8, 2, 32, torch.float32)
+    out, lse = _run(batch, q, k, v, causal, block_m=block_m, block_n=block_n)
+    _check(batch, q, k, v, causal, torch.float32, out, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hq,hkv", [(8, 1), (8, 8)], ids=["mqa", "mha"])
+def test_decode(hq, hkv, dtype):
+    # One query per sequence; max_seqlen_q = 1 shrinks the query tile.
+    seqs = [(1, 1), (16, 1), (17, 1), (95, 1), (40, 1), (0, 1)]
+    batch, q, k, v = _problem(hq + hkv, seqs, 16, hq, hkv, 16, dtype)
+    out, lse = _run(batch, q, k, v, True, max_seqlen_q=1)
+    _check(batch, q, k, v, True, dtype, out, lse)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_out_of_range_table_padding(causal):
+    # Entries past each sequence's pages are -1: reading one would fault or pick garbage.
+    batch, q, k, v = _problem(11, RAGGED, 16, 8, 2, 16, torch.float32, pad=-1)
+    out, lse = _run(batch, q, k, v, causal, block_n=64)
+    _check(batch, q, k, v, causal, torch.float32, out, lse)
+
+
+def test_strided_q_no_lse():
+    # q as a head slice of a fused qkv projection; lse not requested.
+    g = gen(5)
+    batch = make_batch(g, [(30, 6), (12, 12)], 16)
+    qkv = randn(g, batch.num_tokens, 12, 16)
+    q = qkv[:, :8]
+    k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
+    out, lse = _run(batch, q, k, v, True, return_lse=False)
+    _check(batch, q, k, v, True, torch.float32, out, None, against_torch=False)
+
+
+def test_head_dim_not_power_of_two():
+    batch, q, k, v = _problem(3, [(45, 7), (9, 3)], 16, 4, 2, 24, torch.float32)
+    out, lse = _run(batch, q, k, v, True)
+    _check(batch, q, k, v, True, torch.float32, out, lse)
+
+
+def test_empty_query_batch():
+    batch, q, k, v = _problem(2, [(20, 0), (5, 0)], 16, 4, 2, 16, torch.float32)
+    out, lse = _run(batch, q, k, v, True)
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
