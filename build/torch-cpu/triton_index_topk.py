@@ -39,14 +39,12 @@ ranking, so it is never applied back) and the dot runs on the fp8 tensor cores.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import INDEX_MAX_TOPK
+from ._launch import interpreting, next_pow2, num_sms
 from .index_topk import validate_index_topk
 
 MAX_TOPK = INDEX_MAX_TOPK
@@ -63,10 +61,6 @@ MIN_CHUNKS_PER_SPLIT = 2
 MAX_SPLITS = 128
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -376,17 +370,6 @@ def _merge_kernel(
     _write_selection(out_ptr, grow, row_ok, nf, last, kept, n_kept, TOPK, TOPK_P2, KP)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
 def _check_shapes(index_q, index_k_cache, topk, block_size):
     page_size = index_k_cache.shape[1]
     d = index_q.shape[2]
@@ -505,7 +488,7 @@ def _index_topk_launch(
         # Mixed or fp32 inputs: exact fp32 products (a tf32 dot would reorder
         # near-ties that the fp32 contract keeps apart).
         dot_fp32 = True
-    interpret = _interpret()
+    interpret = interpreting()
     if interpret and (torch.bfloat16 in (q.dtype, k.dtype) or fp8):
         # The Triton interpreter (3.9) gets bf16 tl.dot wrong (it multiplies the raw
         # bits); bf16 x bf16 products are exact in fp32, so the upcast dot computes
@@ -529,13 +512,13 @@ def _index_topk_launch(
     same_page = page_size % bk == 0
 
     nkeep = topk - local_blocks
-    kp = _pow2(max(nkeep, 1))
+    kp = next_pow2(max(nkeep, 1))
     tiles = (num_tokens * heads) // bm + batch
     if num_splits is None:
         # Enough programs to fill the GPU; the real tile count is about
         # max(rows / BM, sequences with queries).
         est = max(-(-num_tokens * heads // bm), min(batch, num_tokens))
-        target = PROGRAMS_PER_SM * _num_sms(device)
+        target = PROGRAMS_PER_SM * num_sms(device, cpu_default=2)
         cap_chunks = -(-block_tables.shape[1] * page_size // ch)
         most = max(1, min(cap_chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
         num_splits = 1 if est >= target else min(-(-target // est), most)
@@ -552,27 +535,27 @@ def _index_topk_launch(
         num_warps = 4
     if num_stages is None:
         num_stages = 2 if bm >= 128 else 3
-    batch_p2 = max(2, _pow2(batch + 1))
+    batch_p2 = max(2, next_pow2(batch + 1))
     _index_topk_kernel[(tiles, num_splits)](
         q, k, scale, bt, cu, kv, out, ws_val, ws_id,
         k.stride(0), k.stride(1), scale.stride(0), bt.stride(0),
         batch, num_splits,
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size,
-        TOPK=topk, TOPK_P2=_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
+        TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
         BM=bm, BK=bk, CH=ch, TPB=tpb, NBT=nbt, SAME_PAGE=same_page, BATCH_P2=batch_p2,
         DOT_FP32=dot_fp32, FP8=fp8, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32, FINAL=final,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:
         total_rows = num_tokens * heads
-        nc = _pow2(num_splits) * kp
+        nc = next_pow2(num_splits) * kp
         # Few rows per program: the merge is a chain of dependent reductions, so
         # its time is latency, and more programs hide more of it.
         rb = max(1, min(16, 1024 // nc))
         _merge_kernel[(triton.cdiv(total_rows, rb),)](
             ws_val, ws_id, out, cu, kv,
             total_rows, batch, num_splits,
-            H=heads, BLOCK=block_size, TOPK=topk, TOPK_P2=_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,
+            H=heads, BLOCK=block_size, TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,
             KP=kp, NC=nc, RB=rb, BATCH_P2=batch_p2,
             num_warps=4,
         )

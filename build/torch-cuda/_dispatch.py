@@ -44,14 +44,14 @@ def use_triton(t, unsupported: str | None = None) -> bool:
     return t.device.type == "cuda" and unsupported is None
 
 
-def _pow2(n: int) -> bool:
+def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def kvouter_unsupported(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> str | None:
     if not isinstance(block_size, int):
         return None
-    if not _pow2(block_size) or block_size < 16:
+    if not _is_pow2(block_size) or block_size < 16:
         return f"the Triton KV-outer kernel needs block_size a power of two >= 16, got {block_size}"
     if q.stride(2) != 1 or k_cache.stride(3) != 1:
         return "the Triton KV-outer kernel needs a contiguous head dim (stride 1)"
@@ -64,8 +64,8 @@ def index_unsupported(index_q: torch.Tensor, index_k_cache: torch.Tensor, topk: 
     page_size, d = index_k_cache.shape[1], index_q.shape[2]
     if topk > INDEX_MAX_TOPK:
         return f"the Triton index kernel supports topk <= {INDEX_MAX_TOPK}, got {topk}"
-    if not _pow2(block_size) or (block_size % page_size and page_size % block_size):
+    if not _is_pow2(block_size) or (block_size % page_size and page_size % block_size):
         return f"the Triton index kernel needs block_size a power of two dividing or multiple of page_size, got {block_size}"
-    if not _pow2(d) or not 16 <= d <= 256:
+    if not _is_pow2(d) or not 16 <= d <= 256:
         return f"the Triton index kernel needs a power-of-two index head dim in [16, 256], got {d}"
     return None

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_b33d79a1c9"
+NAMESPACE = "_m3_sparse_cuda_a8c5f884bf"
 
 ops = getattr(torch.ops, NAMESPACE)
 

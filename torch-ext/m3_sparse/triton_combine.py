@@ -20,14 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import next_pow2
+
 
 # Launch settings (the benchmark's --tune overrides them): rows (token x head pairs)
 # per program and warps.
 COMBINE_CONFIG = {"rows": 16, "num_warps": 4}  # 8 or 16 rows: same time on the H200
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 @triton.jit
@@ -117,9 +115,9 @@ def combine_triton(
         return out, lse
     rows = COMBINE_CONFIG["rows"] if rows is None else rows
     num_warps = COMBINE_CONFIG["num_warps"] if num_warps is None else num_warps
-    gp = _next_pow2(group)
-    bt = max(1, _next_pow2(rows) // gp)
-    bd = max(16, _next_pow2(d))
+    gp = next_pow2(group)
+    bt = max(1, next_pow2(rows) // gp)
+    bd = max(16, next_pow2(d))
     grid = (triton.cdiv(num_tokens, bt), hkv)
     _combine_kernel[grid](
         partial_o,

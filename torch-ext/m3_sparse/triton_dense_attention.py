@@ -31,16 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import interpreting, next_pow2
+
 LOG2E = 1.4426950408889634
 
 # Rows per tile (tokens x padded heads) and keys per tile; BLOCK_M is a cap, a
 # decode batch gets fewer tokens per tile (see _tile_tokens).
 BLOCK_M = 64
 BLOCK_N = 64
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 @triton.jit
@@ -197,15 +195,11 @@ def _dense_paged_attn_kernel(
         tl.store(lse_ptr + head.to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
 
 
-def _interpreting() -> bool:
-    return type(_dense_paged_attn_kernel).__name__ == "InterpretedFunction"
-
-
 def _tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
     """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
     and at least 16 rows (the smallest MMA M)."""
-    tm = min(max(1, block_m // group_pad), _next_pow2(max(1, max_q)))
-    return max(tm, _next_pow2(-(-16 // group_pad)))
+    tm = min(max(1, block_m // group_pad), next_pow2(max(1, max_q)))
+    return max(tm, next_pow2(-(-16 // group_pad)))
 
 
 def dense_paged_attention_triton(
@@ -238,7 +232,7 @@ def dense_paged_attention_triton(
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
     group = hq // hkv
-    gp = _next_pow2(group)
+    gp = next_pow2(group)
     bn = BLOCK_N if block_n is None else int(block_n)
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
@@ -255,14 +249,14 @@ def dense_paged_attention_triton(
     tm = _tile_tokens(gp, num_tokens if max_seqlen_q is None else min(int(max_seqlen_q), num_tokens),
                       BLOCK_M if block_m is None else int(block_m))
     rows = tm * gp
-    bd = max(16, _next_pow2(d))
+    bd = max(16, next_pow2(d))
     if num_warps is None:
         num_warps = 8 if rows >= 128 and bd >= 128 else 4
     if num_stages is None:
         num_stages = 2
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and q.dtype == torch.bfloat16
     grid = (num_tokens // tm + batch, hkv)
     _dense_paged_attn_kernel[grid](
         q,

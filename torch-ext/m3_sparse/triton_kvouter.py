@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import interpreting, next_pow2, num_sms
+
 from .kvouter_index import KVOuterIndex, build_kvouter_index
 from .scheduler import Schedule, schedule
 
@@ -53,12 +55,8 @@ ATTN_CONFIG = {
 FILL_ROWS = 64
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def group_pad(group: int) -> int:
-    return _next_pow2(group)
+    return next_pow2(group)
 
 
 def default_tile_q(group: int) -> int:
@@ -66,21 +64,9 @@ def default_tile_q(group: int) -> int:
     return max(1, ATTN_CONFIG["tile_rows"] // group_pad(group))
 
 
-def _interpreting() -> bool:
-    return type(_kvouter_partials_kernel).__name__ == "InterpretedFunction"
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
 def default_num_programs(device: torch.device) -> int:
     """A persistent grid of one program per SM (host-known: no device read)."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx] * ATTN_CONFIG["programs_per_sm"]
+    return num_sms(device, cpu_default=1) * ATTN_CONFIG["programs_per_sm"]
 
 
 @triton.jit
@@ -324,7 +310,7 @@ def kvouter_partials_triton(
         raise ValueError(f"block_size: the Triton kernel needs a power of two >= 16, got {block_size}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
-    tq = _next_pow2(max(sched.tile_q, -(-16 // gp)))
+    tq = next_pow2(max(sched.tile_q, -(-16 // gp)))
     if tq * gp > 2 * TILE_ROWS:
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
     partial_o = torch.empty(cap, group, d, dtype=q.dtype, device=device)
@@ -332,7 +318,7 @@ def kvouter_partials_triton(
     partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
     if cap == 0:
         return partial_o, partial_m, partial_l
-    bd = max(16, _next_pow2(d))
+    bd = max(16, next_pow2(d))
     if num_warps is None:
         num_warps = ATTN_CONFIG["num_warps"] if tq * gp == ATTN_CONFIG["tile_rows"] else (8 if tq * gp >= 128 else 4)
     if num_stages is None:
@@ -341,10 +327,10 @@ def kvouter_partials_triton(
         maxnreg = ATTN_CONFIG["maxnreg"]
     if prefetch is None:
         prefetch = ATTN_CONFIG["prefetch"]
-    extra = {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}
+    extra = {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and q.dtype == torch.bfloat16
     grid = (sched.num_programs,)
     _kvouter_partials_kernel[grid](
         q,

@@ -1,0 +1,29 @@
+"""Host-side helpers shared by the Triton launchers (no device reads)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    """Triton picks its interpreter from this variable when a kernel is decorated."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device, cpu_default: int) -> int:
+    """Multiprocessors of ``device`` (cached); ``cpu_default`` stands in off the GPU."""
+    if device.type != "cuda":
+        return cpu_default
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
