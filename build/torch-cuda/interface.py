@@ -82,9 +82,9 @@ def kvouter_attention(
         q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
     )
     if use_triton(q, kvouter_unsupported(q, k_cache, block_size)):
-        from .triton_kvouter import kvouter_attention_triton
+        from .triton_kvouter import run_kvouter_triton
 
-        return kvouter_attention_triton(
+        return run_kvouter_triton(
             q,
             k_cache,
             v_cache,
@@ -96,6 +96,8 @@ def kvouter_attention(
             causal=causal,
             block_size=block_size,
             return_lse=return_lse,
+            batch=batch,
+            max_blocks=max_blocks,
         )
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.

@@ -404,18 +404,42 @@ def kvouter_attention_triton(
     A repeated id in one (token, kv head) row counts once (the index builder drops it).
     """
     from .interface import validate_kvouter
-    from .triton_combine import combine_triton
 
-    batch, max_blocks, softmax_scale = validate_kvouter(
+    batch, max_blocks, scale = validate_kvouter(
         q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, None, block_size
     )
-    device = q.device
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    group = hq // hkv
+    return run_kvouter_triton(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=return_lse,
+        batch=batch,
+        max_blocks=max_blocks,
+        tile_q=tile_q,
+        num_programs=num_programs,
+    )
+
+
+def run_kvouter_triton(
+    q, k_cache, v_cache, selected, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
+    return_lse, batch, max_blocks, tile_q=None, num_programs=None,
+):
+    """The stages of :func:`kvouter_attention_triton` on arguments already checked by
+    ``interface.validate_kvouter`` (whose batch size, blocks per sequence and scale it takes)."""
+    from .triton_combine import combine_triton
+
+    group = q.shape[1] // k_cache.shape[1]
     if tile_q is None:
         tile_q = default_tile_q(group)
     if num_programs is None:
-        num_programs = default_num_programs(device)
+        num_programs = default_num_programs(q.device)
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     sched = schedule(index, tile_q=tile_q, num_programs=num_programs)
     partial_o, partial_m, partial_l = kvouter_partials_triton(
