@@ -27,6 +27,8 @@ from model_utils import greedy, random_prompt, save_tiny_text_model
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
+# The Triton tests run on the GPU where there is one, else in the CPU interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
 E4M3_SUB_ABS = 2.0**-10  # half the subnormal step 2^-9, in units of the scale
 # Both paths score in fp32: D products of relative error 2^-24 each, far below this.
@@ -237,10 +239,11 @@ def test_triton_fp8_equals_torch_fp8(monkeypatch, page):
     cu, kv = varlen(q_lens, kv_lens)
     iq = torch.randn(sum(q_lens), heads, dim, generator=g)
     codes, scales = quantize_index_keys(cache)
+    args = [t.to(DEV) for t in (iq, codes, tables, cu, kv)]
     monkeypatch.setenv("M3_SPARSE_IMPL", "torch")
-    ref = canon(run_index(kernel, iq, codes, tables, cu, kv, topk, block, index_k_scale=scales))
+    ref = canon(run_index(kernel, *args, topk, block, index_k_scale=scales.to(DEV)).cpu())
     monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
-    out = canon(run_index(kernel, iq, codes, tables, cu, kv, topk, block, index_k_scale=scales))
+    out = canon(run_index(kernel, *args, topk, block, index_k_scale=scales.to(DEV)).cpu())
     deq = codes.float() * scales[..., None]
     t = 0
     for b, (kvb, n) in enumerate(zip(kv_lens, q_lens)):
@@ -350,8 +353,8 @@ def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
     model with fp8 index keys; without fp8_dot its logits equal the torch path's."""
     pytest.importorskip("triton")
     save_tiny_text_model(tmp_path, seed=3, index_block_size=16, index_topk_blocks=2)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="m3_sparse").eval()
-    ids = random_prompt(70, torch.Generator().manual_seed(6))[None]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="m3_sparse").eval().to(DEV)
+    ids = random_prompt(70, torch.Generator().manual_seed(6))[None].to(DEV)
     kernel = load_kernel()
     seen = []
     real = kernel.index_topk
@@ -364,7 +367,9 @@ def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
 
     def logits(impl, dot=False):
         monkeypatch.setenv("M3_SPARSE_IMPL", impl)
-        cache = M3PagedCache(model.config, 1, 72, page_size=16, index_key_dtype=FP8, index_fp8_dot=dot)
+        cache = M3PagedCache(
+            model.config, 1, 72, page_size=16, device=DEV, index_key_dtype=FP8, index_fp8_dot=dot
+        )
         with torch.no_grad():
             return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
 

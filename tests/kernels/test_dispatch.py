@@ -24,17 +24,21 @@ def test_unknown_impl_is_refused(monkeypatch):
 
 def test_explicit_triton_refuses_unsupported_shapes(monkeypatch):
     monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    # On the GPU where there is one; else the CPU interpreter (conftest) stands in for it.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = gen(5)
     batch = make_batch(g, [(40, 3)], 16)
-    q = randn(g, batch.num_tokens, 4, 8)
-    k = batch.kv_cache(g, 2, 8)
-    sel = random_selection(g, batch, 2, 3, 8, empty_frac=0.0, dup_frac=0.0)
+    kw = {name: t.to(dev) for name, t in batch.kwargs().items()}
+    tables = batch.block_tables.to(dev)
+    q = randn(g, batch.num_tokens, 4, 8).to(dev)
+    k = batch.kv_cache(g, 2, 8).to(dev)
+    sel = random_selection(g, batch, 2, 3, 8, empty_frac=0.0, dup_frac=0.0).to(dev)
     with pytest.raises(ValueError, match="block_size a power of two >= 16, got 8"):
-        m3_sparse.kvouter_attention(q, k, k, sel, batch.block_tables, **batch.kwargs(), block_size=8)
-    iq = randn(g, batch.num_tokens, 2, 8)
-    ik = randn(g, k.shape[0], 16, 8)
+        m3_sparse.kvouter_attention(q, k, k, sel, tables, **kw, block_size=8)
+    iq = randn(g, batch.num_tokens, 2, 8).to(dev)
+    ik = randn(g, k.shape[0], 16, 8).to(dev)
     with pytest.raises(ValueError, match="index head dim in \\[16, 256\\], got 8"):
-        m3_sparse.index_topk(iq, ik, batch.block_tables, **batch.kwargs(), topk=2, block_size=16)
+        m3_sparse.index_topk(iq, ik, tables, **kw, topk=2, block_size=16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
