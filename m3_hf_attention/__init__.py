@@ -6,13 +6,30 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="m3_sparse")
     model.generate(**inputs)  # uses an M3PagedCache unless you pass past_key_values
 
-The kernels come from the ``m3-sparse`` hub kernel, loaded with ``kernels``
-(see :func:`load_kernel`).
+Everything runs from the ``m3-sparse`` hub kernel, loaded with ``kernels`` (see
+:func:`load_kernel`): its ops and its transformers integration (``hf_cache``,
+``hf_integration``, ``hf_tp``), which this package exposes as ``m3_hf_attention.cache``,
+``.integration`` and ``.tp`` without a copy of its own.
 """
 
+import sys
+
 from ._kernel import load_kernel
-from .cache import M3PagedCache, M3PagedLayer
-from .integration import ATTN_IMPLEMENTATION, m3_sparse_attention, m3_sparse_mask, register
+
+_kernel = load_kernel()
+cache = _kernel.hf_cache
+integration = _kernel.hf_integration
+tp = _kernel.hf_tp
+# `from m3_hf_attention.cache import X` finds the kernel's modules.
+for _name, _module in (("cache", cache), ("integration", integration), ("tp", tp)):
+    sys.modules[f"{__name__}.{_name}"] = _module
+
+M3PagedCache = cache.M3PagedCache
+M3PagedLayer = cache.M3PagedLayer
+ATTN_IMPLEMENTATION = integration.ATTN_IMPLEMENTATION
+m3_sparse_attention = integration.m3_sparse_attention
+m3_sparse_mask = integration.m3_sparse_mask
+register = integration.register
 
 register()
 
@@ -22,8 +39,11 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "M3PagedCache",
     "M3PagedLayer",
+    "cache",
+    "integration",
     "load_kernel",
     "m3_sparse_attention",
     "m3_sparse_mask",
     "register",
+    "tp",
 ]

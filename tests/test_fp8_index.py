@@ -352,7 +352,8 @@ def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
     """index_fp8_dot is handed to the kernel, and the Triton path (interpreter) runs the
     model with fp8 index keys; without fp8_dot its logits equal the torch path's."""
     pytest.importorskip("triton")
-    save_tiny_text_model(tmp_path, seed=3, index_block_size=16, index_topk_blocks=2)
+    # Index head dim 32: the smallest the fp8 tensor-core dot takes.
+    save_tiny_text_model(tmp_path, seed=3, index_block_size=16, index_topk_blocks=2, index_head_dim=32)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="m3_sparse").eval().to(DEV)
     ids = random_prompt(70, torch.Generator().manual_seed(6))[None].to(DEV)
     kernel = load_kernel()
@@ -377,3 +378,19 @@ def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
     dot = logits("triton", dot=True)
     assert bool(torch.isfinite(dot).all())
     assert seen == [False] * 4 + [True] * 2
+
+
+def test_fp8_dot_needs_index_head_dim_32(tmp_path):
+    """The fp8 MMA reduces over >= 32 elements: a smaller index head dim is refused by the
+    op and by the cache option, on every device, instead of failing to compile on a GPU."""
+    kernel = load_kernel()
+    g = torch.Generator().manual_seed(0)
+    cache, tables = paged_keys(g, [40], 16, 16)
+    cu, kv = varlen([3], [40])
+    codes, scales = quantize_index_keys(cache)
+    iq = torch.randn(3, 2, 16, generator=g)
+    with pytest.raises(ValueError, match="fp8_dot: the fp8 tensor-core dot needs an index head dim of at least 32, got 16"):
+        run_index(kernel, iq, codes, tables, cu, kv, 2, 16, index_k_scale=scales, fp8_dot=True)
+    config = save_tiny_text_model(tmp_path, seed=0)  # index_head_dim 16
+    with pytest.raises(ValueError, match="index_fp8_dot: the fp8 tensor-core dot needs an index head dim of at least 32"):
+        M3PagedCache(config, 1, 64, page_size=16, index_key_dtype=FP8, index_fp8_dot=True)

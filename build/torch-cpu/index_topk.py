@@ -28,6 +28,8 @@ QUERY_CHUNK = 64
 KEY_CHUNK = 2048
 # e4m3fn only: it is what Hopper's fp8 tensor cores take (e4m3fnuz is AMD's encoding),
 # and its 3 mantissa bits are enough for ranking while e5m2's 2 are not.
+# Hopper's fp8 MMA reduces over at least 32 elements.
+FP8_DOT_MIN_DIM = 32
 FP8_INDEX_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
 
@@ -144,6 +146,11 @@ def index_topk(
             raise ValueError(
                 "fp8_dot: only applies to an fp8 (float8_e4m3fn) index_k_cache; index_k_cache is "
                 f"{str(index_k_cache.dtype).replace('torch.', '')}"
+            )
+        if fp8_dot and isinstance(index_q, torch.Tensor) and index_q.dim() == 3 and index_q.shape[2] < FP8_DOT_MIN_DIM:
+            raise ValueError(
+                f"fp8_dot: the fp8 tensor-core dot needs an index head dim of at least {FP8_DOT_MIN_DIM}, got "
+                f"{index_q.shape[2]}; use fp8_dot=False (fp32 scores of the fp8 keys)"
             )
     if isinstance(index_q, torch.Tensor) and isinstance(index_k_cache, torch.Tensor) and index_q.dim() == 3 \
             and index_k_cache.dim() == 3 and use_triton(index_q, index_unsupported(index_q, index_k_cache, topk, block_size)):

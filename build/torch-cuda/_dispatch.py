@@ -48,13 +48,23 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def kvouter_unsupported(q: torch.Tensor, k_cache: torch.Tensor, block_size: int) -> str | None:
+def kvouter_unsupported(
+    q: torch.Tensor, k_cache: torch.Tensor, block_size: int, v_cache: torch.Tensor | None = None
+) -> str | None:
     if not isinstance(block_size, int):
         return None
     if not _is_pow2(block_size) or block_size < 16:
         return f"the Triton KV-outer kernel needs block_size a power of two >= 16, got {block_size}"
-    if q.stride(2) != 1 or k_cache.stride(3) != 1:
-        return "the Triton KV-outer kernel needs a contiguous head dim (stride 1)"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is not None and t.stride(-1) != 1:
+            return f"the Triton KV-outer kernel needs {name} with a contiguous head dim (stride 1), got stride {t.stride(-1)}"
+    return None
+
+
+def dense_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            return f"the Triton dense kernel needs {name} with a contiguous head dim (stride 1), got stride {t.stride(-1)}"
     return None
 
 

@@ -22,6 +22,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels index integer metadata (block tables, offsets, lengths, selections)
+    with unit inner strides; a strided view is copied (a small device copy, no sync)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def num_sms(device: torch.device, cpu_default: int) -> int:
     """Multiprocessors of ``device`` (cached); ``cpu_default`` stands in off the GPU."""
     if device.type != "cuda":

@@ -12,8 +12,9 @@ import torch
 from torch.library import custom_op
 
 from ._ops import NAMESPACE
+from .decode_attention import sparse_decode_attention
 from .index_topk import index_topk
-from .interface import dense_paged_attention, kvouter_attention
+from .interface import dense_paged_attention, kvouter_attention, sparse_attention
 
 
 @custom_op(f"{NAMESPACE}::index_topk", mutates_args=())
@@ -81,6 +82,75 @@ def kvouter_attention_op(
 
 @kvouter_attention_op.register_fake
 def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::sparse_decode_attention", mutates_args=())
+def sparse_decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=True,
+    )
+
+
+@sparse_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
+def sparse_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_attention(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        max_seqlen_q=max_seqlen_q if max_seqlen_q > 0 else None,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=True,
+    )
+
+
+@sparse_attention_op.register_fake
+def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, max_seqlen_q, softmax_scale, causal,
+      block_size):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 

@@ -86,7 +86,9 @@ def build_kvouter_index(
     entry_rank = torch.where(flat_valid, ranks.reshape(-1)[order], -1).to(torch.int32)
     entry_segment = torch.where(flat_valid, seg.reshape(-1)[order], -1).to(torch.int32)
 
-    counts = torch.bincount(torch.where(valid, seg, num_segments).reshape(-1), minlength=num_segments + 1)
+    # Not bincount: on CUDA it reads the largest id back to size its output (a host sync).
+    counts = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, torch.where(valid, seg, num_segments).reshape(-1), torch.ones_like(seg).reshape(-1))
     seg_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
     seg_offsets[1:] = torch.cumsum(counts[:num_segments], 0)
 

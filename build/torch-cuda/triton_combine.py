@@ -42,6 +42,7 @@ def _combine_kernel(
     stride_sk,
     stride_ot,
     stride_oh,
+    stride_lh,
     G: tl.constexpr,
     GP: tl.constexpr,
     TOPK: tl.constexpr,
@@ -88,7 +89,7 @@ def _combine_kernel(
     tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         b_lse = tl.where(empty, float("-inf"), b_mx + tl.log2(tl.where(empty, 1.0, b_l)) * 0.6931471805599453)
-        tl.store(lse_ptr + (g * G + head).to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+        tl.store(lse_ptr + (g * G + head).to(tl.int64) * stride_lh + tok, b_lse, mask=row_ok)
 
 
 def combine_triton(
@@ -101,16 +102,36 @@ def combine_triton(
     return_lse: bool = False,
     rows: int | None = None,
     num_warps: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
-    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None)."""
+    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None).
+
+    ``out`` / ``lse`` may be given (views into larger buffers, as the chunked
+    KV-outer driver passes): ``out`` with a contiguous head dim, ``lse`` with a
+    contiguous token axis."""
     num_tokens, hkv, topk = slot_of.shape
     _, group, d = partial_o.shape
     if not (partial_o.is_contiguous() and partial_m.is_contiguous() and partial_l.is_contiguous()):
         raise ValueError("partial_o/partial_m/partial_l: expected contiguous tensors")
     device = partial_o.device
-    out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
-    lse = torch.empty(hkv * group, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    if out is None:
+        out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
+    elif tuple(out.shape) != (num_tokens, hkv * group, d) or out.stride(2) != 1:
+        raise ValueError(
+            f"out: expected shape {(num_tokens, hkv * group, d)} with stride 1 in the last dim, "
+            f"got {tuple(out.shape)} with strides {out.stride()}"
+        )
+    if return_lse and lse is None:
+        lse = torch.empty(hkv * group, num_tokens, dtype=torch.float32, device=device)
+    elif not return_lse:
+        lse = None
+    elif tuple(lse.shape) != (hkv * group, num_tokens) or lse.stride(1) != 1 or lse.dtype != torch.float32:
+        raise ValueError(
+            f"lse: expected float32 of shape {(hkv * group, num_tokens)} with stride 1 in the last dim, "
+            f"got {lse.dtype} {tuple(lse.shape)} with strides {lse.stride()}"
+        )
     if num_tokens == 0 or hkv == 0 or group == 0:
         return out, lse
     rows = COMBINE_CONFIG["rows"] if rows is None else rows
@@ -132,6 +153,7 @@ def combine_triton(
         slot_of.stride(2),
         out.stride(0),
         out.stride(1),
+        lse.stride(0) if lse is not None else 0,
         G=group,
         GP=gp,
         TOPK=topk,

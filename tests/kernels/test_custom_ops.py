@@ -43,6 +43,23 @@ def test_ops_match_functions():
     out, lse = ops.dense_paged_attention(q, k, v, batch.block_tables, kw["cu_seqlens_q"], kw["used_kv_lens"], 0.25, True)
     ref_out, ref_lse = m3_sparse.dense_paged_attention(q, k, v, batch.block_tables, **kw, softmax_scale=0.25, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    out, lse = ops.sparse_decode_attention(
+        q, k, v, sel, batch.block_tables, kw["cu_seqlens_q"], kw["used_kv_lens"], 0.25, True, 16
+    )
+    ref_out, ref_lse = m3_sparse.sparse_decode_attention(
+        q, k, v, sel, batch.block_tables, **kw, softmax_scale=0.25, block_size=16, return_lse=True
+    )
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    # The dispatching op: both kernels, chosen by the bound on rows per sequence.
+    for rows in (2, 2048):
+        out, lse = ops.sparse_attention(
+            q, k, v, sel, batch.block_tables, kw["cu_seqlens_q"], kw["used_kv_lens"], rows, 0.25, True, 16
+        )
+        ref_out, ref_lse = m3_sparse.sparse_attention(
+            q, k, v, sel, batch.block_tables, **kw, max_seqlen_q=rows, softmax_scale=0.25, block_size=16,
+            return_lse=True,
+        )
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 def test_opcheck():
@@ -54,6 +71,10 @@ def test_opcheck():
     torch.library.opcheck(m3_sparse.ops.index_topk, (iq, ik, bt, cu, kv, None, 3, 16, 1, -1, False), test_utils=tests)
     torch.library.opcheck(m3_sparse.ops.kvouter_attention, (q, k, v, sel, bt, cu, kv, 0.25, True, 16), test_utils=tests)
     torch.library.opcheck(m3_sparse.ops.dense_paged_attention, (q, k, v, bt, cu, kv, 0.25, False), test_utils=tests)
+    torch.library.opcheck(
+        m3_sparse.ops.sparse_decode_attention, (q, k, v, sel, bt, cu, kv, 0.25, True, 16), test_utils=tests
+    )
+    torch.library.opcheck(m3_sparse.ops.sparse_attention, (q, k, v, sel, bt, cu, kv, 70, 0.25, True, 16), test_utils=tests)
 
 
 def test_compile_fullgraph_through_the_ops():

@@ -48,3 +48,29 @@ def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
     k = torch.zeros(2, 2, 16, 8, device="cuda")
     assert not _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 8))
     assert _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 16))
+
+
+def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
+    """Query-outer decode up to DECODE_MAX_QUERIES rows per sequence, KV-outer beyond;
+    the bound comes from the host (max_seqlen_q, else the token count), both agree."""
+    from m3_sparse import decode_attention, interface
+
+    g = gen(8)
+    batch = make_batch(g, [(90, 6), (40, 3)], 16)
+    q = randn(g, batch.num_tokens, 4, 16)
+    k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
+    sel = random_selection(g, batch, 2, 3, 16)
+    seen = []
+    for mod, name in ((decode_attention, "sparse_decode_attention"), (interface, "kvouter_attention")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw))
+    args = (q, k, v, sel, batch.block_tables)
+    limit = interface.DECODE_MAX_QUERIES
+    a, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16)
+    b, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit)
+    c, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit + 1)
+    assert seen == ["sparse_decode_attention", "sparse_decode_attention"] + (
+        ["kvouter_attention"] if batch.num_tokens > limit else ["sparse_decode_attention"]
+    )
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, c, rtol=0, atol=0)

@@ -19,11 +19,12 @@ from ._validate import (
     check_tensor,
     check_varlen,
 )
-from ._dispatch import kvouter_unsupported, requested_impl, use_triton
+from ._dispatch import dense_unsupported, kvouter_unsupported, use_triton
 from .combine import combine
 from .dense_attention import dense_paged_attention_torch
 from .kvouter_attention import kvouter_partials
 from .kvouter_index import build_kvouter_index
+from .layout import chunk_varlen, token_positions
 
 def validate_kvouter(
     q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
@@ -65,6 +66,7 @@ def kvouter_attention(
     page_size: int | None = None,
     block_size: int = 128,
     return_lse: bool = False,
+    max_workspace_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, KV-outer.
 
@@ -76,29 +78,93 @@ def kvouter_attention(
     visible key outputs zeros and lse = -inf.
 
     CUDA tensors run the Triton partials and combine kernels (``triton_kvouter``),
-    others the torch stages.
+    others the torch stages. The partial buffer is bounded by ``max_workspace_bytes``
+    (default ``DEFAULT_WORKSPACE_BYTES``, 4 GiB): more query rows than fit run in
+    slices of rows, so memory stays linear in the prompt with a fixed constant.
     """
     batch, max_blocks, scale = validate_kvouter(
         q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
     )
-    if use_triton(q, kvouter_unsupported(q, k_cache, block_size)):
-        from .triton_kvouter import run_kvouter_triton
+    if max_workspace_bytes is not None:
+        check_positive_int("max_workspace_bytes", max_workspace_bytes)
+    num_tokens, hq, d = q.shape
+    triton = use_triton(q, kvouter_unsupported(q, k_cache, block_size, v_cache))
+    budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+    slots = selected.shape[1] * selected.shape[2]
+    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, q.element_size(), budget)
+    stage_args = dict(
+        softmax_scale=scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=return_lse,
+        batch=batch,
+        max_blocks=max_blocks,
+    )
+    if chunk >= num_tokens:
+        run = _kvouter_triton if triton else _kvouter_torch
+        return run(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, **stage_args)
+    # Partials grow with the query rows (Tq * Hkv * topk * G * (2D + 8) bytes, 35 GB (33 GiB) for
+    # 128K tokens of M3): run the query rows in slices that fit the workspace budget.
+    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=q.device) if return_lse else None
+    if not causal:
+        # A bidirectional row sees its whole sequence, so a slice keeps every kv length;
+        # the rows placed before the first key (which see nothing) are emptied instead.
+        _, positions = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)
+    for t0 in range(0, num_tokens, chunk):
+        t1 = min(num_tokens, t0 + chunk)
+        cu_c, kv_c = chunk_varlen(cu_seqlens_q, used_kv_lens, t0, t1)
+        sel_c = selected[t0:t1]
+        if not causal:
+            kv_c = used_kv_lens
+            sel_c = sel_c.masked_fill((positions[t0:t1] < 0)[:, None, None], -1)
+        args = (q[t0:t1], k_cache, v_cache, sel_c, block_tables, cu_c, kv_c)
+        lse_c = lse[:, t0:t1] if lse is not None else None
+        if triton:
+            _kvouter_triton(*args, **stage_args, out=out[t0:t1], lse=lse_c)
+        else:
+            o_c, l_c = _kvouter_torch(*args, **stage_args)
+            out[t0:t1] = o_c
+            if lse_c is not None:
+                lse_c.copy_(l_c)
+    return out, lse
 
-        return run_kvouter_triton(
-            q,
-            k_cache,
-            v_cache,
-            selected,
-            block_tables,
-            cu_seqlens_q=cu_seqlens_q,
-            used_kv_lens=used_kv_lens,
-            softmax_scale=scale,
-            causal=causal,
-            block_size=block_size,
-            return_lse=return_lse,
-            batch=batch,
-            max_blocks=max_blocks,
-        )
+
+# Partial-buffer budget of one KV-outer call; longer prompts run in query slices.
+DEFAULT_WORKSPACE_BYTES = 4 << 30
+
+
+def chunk_tokens(num_tokens: int, slots: int, group: int, d: int, elem_bytes: int, budget: int) -> int:
+    """Query rows per KV-outer slice: the partials of one row (``slots`` = Hkv * topk
+    entries of G rows of D values plus fp32 m and l) times the rows stay within
+    ``budget`` bytes, at least one row."""
+    per_token = max(1, slots * group * (d * elem_bytes + 8))
+    return max(1, min(max(num_tokens, 1), budget // per_token))
+
+
+def _kvouter_triton(
+    q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, *, out=None, lse=None, **stage_args
+):
+    from .triton_kvouter import run_kvouter_triton
+
+    return run_kvouter_triton(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        out=out,
+        lse=lse,
+        **stage_args,
+    )
+
+
+def _kvouter_torch(
+    q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, *, softmax_scale, causal, block_size,
+    return_lse, batch, max_blocks,
+):
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.
     partial_o, partial_m, partial_l = kvouter_partials(
@@ -109,11 +175,59 @@ def kvouter_attention(
         block_tables,
         cu_seqlens_q=cu_seqlens_q,
         used_kv_lens=used_kv_lens,
-        softmax_scale=scale,
+        softmax_scale=softmax_scale,
         causal=causal,
         block_size=block_size,
     )
     return combine(partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse)
+
+
+# Query rows per sequence up to which the query-outer decode kernel beats KV-outer
+# (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks; docs/PERF.md, decode crossover):
+# 1024 rows of one 32K or 128K sequence run 0.83-0.87x KV-outer's time, 4096 rows 1.06-1.16x.
+DECODE_MAX_QUERIES = 1024
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention with the kernel chosen from host-known shapes: the
+    query-outer decode kernel (:func:`sparse_decode_attention`) while sequences bring at
+    most ``DECODE_MAX_QUERIES`` query rows each, where few queries share a block, else
+    KV-outer (:func:`kvouter_attention`). Same arguments and results as both.
+
+    ``max_seqlen_q``: an upper bound of the query rows of one sequence (a host int; the
+    number of query tokens ``Tq`` stands in when it is not given). Never read from the
+    device, so the choice costs no sync and a captured graph keeps it.
+    """
+    rows = q.shape[0] if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
+    kwargs = dict(
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        page_size=page_size,
+        block_size=block_size,
+        return_lse=return_lse,
+    )
+    if rows <= DECODE_MAX_QUERIES:
+        from .decode_attention import sparse_decode_attention
+
+        return sparse_decode_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)
+    return kvouter_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)
 
 
 def dense_paged_attention(
@@ -140,9 +254,7 @@ def dense_paged_attention(
         device=q.device,
     )
     scale = check_scale(softmax_scale, q.shape[2])
-    # The Triton dense kernel is not yet measured on a GPU, so only an explicit
-    # M3_SPARSE_IMPL=triton selects it; the automatic choice stays on the torch code.
-    if requested_impl() == "triton" and use_triton(q):
+    if use_triton(q, dense_unsupported(q, k_cache, v_cache)):
         from .triton_dense_attention import dense_paged_attention_triton
 
         return dense_paged_attention_triton(
@@ -169,4 +281,4 @@ def dense_paged_attention(
     )
 
 
-__all__ = ["kvouter_attention", "dense_paged_attention"]
+__all__ = ["dense_paged_attention", "kvouter_attention", "sparse_attention"]

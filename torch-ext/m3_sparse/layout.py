@@ -59,3 +59,22 @@ def key_extent(kv_lens: torch.Tensor, capacity: int) -> int:
     if kv_lens.device.type == "cpu" and kv_lens.numel() > 0:
         return max(1, min(capacity, int(kv_lens.max())))
     return capacity
+
+
+def chunk_varlen(
+    cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, t0: int, t1: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens_q, kv_lens) of the query rows ``t0:t1`` of a varlen batch, on the device,
+    for causal attention.
+
+    Every sequence keeps its batch slot (possibly with no rows). A position depends only
+    on a row's distance to its sequence's last row, so a sequence's kv length drops by
+    its rows cut off after ``t1``: each kept row stays at its absolute position, and
+    under causality it never saw the keys of those later rows. A length that would turn
+    negative (left-padding rows, all before the first key) becomes 0: those rows see
+    nothing either way.
+    """
+    cu = cu_seqlens_q.to(torch.int64)
+    cut = (cu[1:] - t1).clamp(min=0)
+    kv = (kv_lens.to(torch.int64) - cut).clamp(min=0)
+    return (cu.clamp(t0, t1) - t0).to(cu_seqlens_q.dtype), kv.to(kv_lens.dtype)

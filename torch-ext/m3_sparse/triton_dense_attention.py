@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import interpreting, next_pow2
+from ._launch import contiguous, interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -225,6 +225,7 @@ def dense_paged_attention_triton(
     tile for decode-like batches; results never depend on it. ``block_n`` must be a
     power of two >= 16; it need not divide ``page_size``.
     """
+    block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
     if hq % hkv:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import INDEX_MAX_TOPK
-from ._launch import interpreting, next_pow2, num_sms
+from ._launch import contiguous, interpreting, next_pow2, num_sms
 from .index_topk import validate_index_topk
 
 MAX_TOPK = INDEX_MAX_TOPK
@@ -469,6 +469,7 @@ def _index_topk_launch(
         )
     _check_shapes(index_q, index_k_cache, topk, block_size)
 
+    block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, heads, dim = index_q.shape
     batch = used_kv_lens.shape[0]
     page_size = index_k_cache.shape[1]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import interpreting, next_pow2, num_sms
+from ._launch import contiguous, interpreting, next_pow2, num_sms
 
 from .kvouter_index import KVOuterIndex, build_kvouter_index
 from .scheduler import Schedule, schedule
@@ -299,6 +299,7 @@ def kvouter_partials_triton(
     ``tile_q`` may be anything up to ``2 * TILE_ROWS // GP`` (smaller tiles are padded).
     ``block_size`` must be a power of two >= 16 (an MMA dimension).
     """
+    block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     page_size = k_cache.shape[2]
@@ -429,7 +430,7 @@ def kvouter_attention_triton(
 
 def run_kvouter_triton(
     q, k_cache, v_cache, selected, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
-    return_lse, batch, max_blocks, tile_q=None, num_programs=None,
+    return_lse, batch, max_blocks, tile_q=None, num_programs=None, out=None, lse=None,
 ):
     """The stages of :func:`kvouter_attention_triton` on arguments already checked by
     ``interface.validate_kvouter`` (whose batch size, blocks per sequence and scale it takes)."""
@@ -455,4 +456,6 @@ def run_kvouter_triton(
         causal=causal,
         block_size=block_size,
     )
-    return combine_triton(partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse)
+    return combine_triton(
+        partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse, out=out, lse=lse
+    )

@@ -22,6 +22,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+ATTN_IMPLEMENTATION = "m3_sparse"
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
@@ -91,6 +92,20 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return codes, scales
 
 
+def uses_m3_sparse(config) -> bool:
+    """Whether ``config`` runs m3_sparse: under its registered name, or under a hub string
+    (``"org/m3-sparse:m3_sparse_attention"``) that transformers mapped to this package's
+    attention function."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == ATTN_IMPLEMENTATION:
+        return True
+    if not isinstance(impl, str) or "/" not in impl:
+        return False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return bool(getattr(ALL_ATTENTION_FUNCTIONS.get(impl), "is_m3_sparse_attention", False))
+
+
 def paged_layer_of(key: torch.Tensor) -> "M3PagedLayer | None":
     ref = _POOL_OWNERS.get(id(key))
     layer = ref() if ref is not None else None
@@ -130,7 +145,9 @@ class M3PagedLayer(CacheLayerMixin):
 
     @property
     def block_tables(self) -> torch.Tensor:
-        return self.cache.block_tables
+        if self.seq_lens is None:
+            return self.cache.block_tables
+        return self.cache.block_tables_on(self.seq_lens.device)
 
     @property
     def page_size(self) -> int:
@@ -157,9 +174,11 @@ class M3PagedLayer(CacheLayerMixin):
             )
             if cache.index_key_dtype is not None:
                 self.index_scales = torch.zeros(cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device)
+        # Length state lives in fixed buffers updated in place, so a step captured in a
+        # CUDA graph keeps advancing it on every replay.
         self.seq_lens = torch.zeros(cache.max_batch, dtype=torch.int32, device=device)
-        self.step_kv_lens = self.seq_lens.clone()
-        self.pending = None
+        self.step_kv_lens = torch.zeros_like(self.seq_lens)
+        self.pending = torch.zeros_like(self.seq_lens)
         self.is_initialized = True
         _POOL_OWNERS[id(self.keys)] = weakref.ref(self)
 
@@ -186,7 +205,10 @@ class M3PagedLayer(CacheLayerMixin):
         i = torch.arange(q_len, device=device)
         pos = self.seq_lens.to(torch.int64)[:, None] + i[None, :] - lead[:, None]  # [B, S]
         is_pad = i[None, :] < lead[:, None]
-        safe = pos.clamp(min=0)
+        # The host-side capacity check does not run when a captured step replays: a
+        # position past the table then goes to the scratch page instead of out of bounds.
+        is_pad |= pos >= self.block_tables.shape[1] * self.page_size
+        safe = pos.clamp(min=0, max=self.block_tables.shape[1] * self.page_size - 1)
         page = self.block_tables.to(torch.int64).gather(1, safe // self.page_size)
         self._step_page = torch.where(is_pad, self.cache.num_pages, page)
         self._step_slot = torch.where(is_pad, i[None, :] % self.page_size, safe % self.page_size)
@@ -211,16 +233,15 @@ class M3PagedLayer(CacheLayerMixin):
         lead, real = new_token_layout(
             step_mask(), key_states.shape[0], self.slots_used + s, s, self.seq_lens.device
         )
-        if self.pending is not None:
-            self.seq_lens += self.pending
+        self.seq_lens += self.pending
         self._locate(s, lead)
         self._write(self.keys, key_states)
         self._write(self.values, value_states)
         self.step_len = s
         # Rows are right aligned on this length: real token i of row b sits at
         # seq_lens + i - lead, trailing pads after the real tokens (overwritten next step).
-        self.step_kv_lens = (self.seq_lens + s - lead).to(torch.int32)
-        self.pending = real.to(torch.int32)
+        self.step_kv_lens.copy_((self.seq_lens + s - lead).clamp(max=self.block_tables.shape[1] * self.page_size))
+        self.pending.copy_(real)
         self.index_written = False
         self.slots_used += s
         return self.keys, self.values
@@ -262,7 +283,7 @@ class M3PagedLayer(CacheLayerMixin):
         """Tokens stored per sequence once the current step is committed. [B] int32 on the device."""
         if self.seq_lens is None:
             raise RuntimeError("the cache layer holds nothing yet")
-        return self.seq_lens + (self.pending if self.pending is not None else 0)
+        return self.seq_lens + self.pending
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -274,7 +295,7 @@ class M3PagedLayer(CacheLayerMixin):
                 self.index_scales.zero_()
             self.seq_lens.zero_()
             self.step_kv_lens.zero_()
-        self.pending = None
+            self.pending.zero_()
         self.step_len = 0
         self.slots_used = 0
 
@@ -292,8 +313,9 @@ class M3PagedCache(Cache):
         config: the model config (``MiniMaxM3VLConfig`` or its text config).
         batch_size: number of sequences.
         max_cache_len: tokens each sequence may hold (prompt, padding and generated tokens).
-        page_size: tokens per page (64 or 128 for the GPU kernels).
-        device, dtype: where and how to store; by default taken from the first update.
+        page_size: tokens per page: 16, 32, 64 or 128 (the GPU benchmarks use 64 and 128).
+        device, dtype: where and how to store; by default each layer takes them from its first
+            update, so the layers of a device_map model keep their pages on their own devices.
         block_tables: optional ``[batch_size, ceil(max_cache_len / page_size)]`` page ids into a
             pool of ``num_pages`` pages (default: each sequence owns a contiguous run of pages).
         num_pages: size of the page pool when ``block_tables`` is given.
@@ -336,6 +358,11 @@ class M3PagedCache(Cache):
             raise ValueError(f"index_fp8_dot: expected a bool, got {index_fp8_dot!r}")
         if index_fp8_dot and index_key_dtype is None:
             raise ValueError("index_fp8_dot: needs index_key_dtype=torch.float8_e4m3fn (fp8 index keys)")
+        if index_fp8_dot and 0 < getattr(text, "index_head_dim", 0) < 32:
+            raise ValueError(
+                "index_fp8_dot: the fp8 tensor-core dot needs an index head dim of at least 32, the model's is "
+                f"{text.index_head_dim}"
+            )
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self._text_config = text
         self.max_batch = batch_size
@@ -360,6 +387,7 @@ class M3PagedCache(Cache):
             self.num_pages = self._check_block_tables(block_tables, num_pages)
             block_tables = block_tables.to(torch.int32)
         self.block_tables = block_tables if self.device is None else block_tables.to(self.device)
+        self._block_table_copies: dict[torch.device, torch.Tensor] = {}
         layers = [
             M3PagedLayer(self, i, layer_types[i] == SPARSE_LAYER_TYPE) for i in range(text.num_hidden_layers)
         ]
@@ -386,15 +414,25 @@ class M3PagedCache(Cache):
         return num_pages
 
     def _place(self, device: torch.device) -> None:
-        if self.block_tables.device != device:
+        # The first layer to allocate brings the block tables to its device; a layer
+        # placed elsewhere (device_map) reads its own copy, see block_tables_on.
+        if self.block_tables.device != device and not any(layer.is_initialized for layer in self.layers):
             self.block_tables = self.block_tables.to(device)
+
+    def block_tables_on(self, device: torch.device) -> torch.Tensor:
+        """The block tables on ``device`` (a copy made once per device; they never change)."""
+        if self.block_tables.device == device:
+            return self.block_tables
+        if device not in self._block_table_copies:
+            self._block_table_copies[device] = self.block_tables.to(device)
+        return self._block_table_copies[device]
 
     def _reserve(self, layer: M3PagedLayer, new_tokens: int) -> None:
         impl = getattr(self._text_config, "_attn_implementation", None)
-        if impl != "m3_sparse":
+        if not uses_m3_sparse(self._text_config):
             raise ValueError(
                 f"M3PagedCache holds paged K/V that only attn_implementation='m3_sparse' can read; the model "
-                f"runs {impl!r}. Load it with attn_implementation='m3_sparse' (after import m3_hf_attention)."
+                f"runs {impl!r}. Load it with attn_implementation='m3_sparse' (after import m3_hf_attention), or the m3-sparse hub kernel's attention function."
             )
         if layer.slots_used + new_tokens > self.max_cache_len:
             raise ValueError(

@@ -9,8 +9,10 @@ Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own mo
    index keys go to the paged index cache and ``m3_sparse.index_topk`` selects the
    blocks (no ``[Sq, Sk]`` score tensor);
 3. the attention interface, :func:`m3_sparse_attention`, runs
-   ``m3_sparse.kvouter_attention`` on the pages (``dense_paged_attention`` for
-   full-attention layers and, bidirectional, for the vision tower).
+   ``m3_sparse.sparse_attention`` on the pages (the decode kernel or KV-outer, chosen from
+   the step's query length), and ``dense_paged_attention`` for full-attention layers,
+   for sparse layers whose history every query selects whole, and, bidirectional, for
+   the vision tower.
 
 The mask function hands the attention function the 2-D padding mask unchanged
 (never a 4-D mask), from which it learns how many of each sequence's new tokens are
@@ -19,22 +21,57 @@ real (right padding).
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from ._kernel import load_kernel
-from .cache import M3PagedCache, M3PagedLayer, debug_enabled, new_token_layout, paged_layer_of, set_step_mask, step_mask
+from . import hf_tp as tp
+from .hf_cache import (
+    ATTN_IMPLEMENTATION,
+    M3PagedCache,
+    M3PagedLayer,
+    debug_enabled,
+    new_token_layout,
+    paged_layer_of,
+    set_step_mask,
+    step_mask,
+    uses_m3_sparse,
+)
 
-ATTN_IMPLEMENTATION = "m3_sparse"
 EPHEMERAL_PAGE_SIZE = 64
 
-_ORIGINAL_INDEXER_FORWARD = m3.MiniMaxM3VLIndexer.forward
+# A second copy of this module (another kernel build loaded side by side) must not wrap
+# the patched functions again: the originals are kept on the patches.
+_ORIGINAL_INDEXER_FORWARD = getattr(m3.MiniMaxM3VLIndexer.forward, "m3_sparse_original", m3.MiniMaxM3VLIndexer.forward)
+_ORIGINAL_CREATE_CAUSAL_MASK = getattr(m3.create_causal_mask, "m3_sparse_original", m3.create_causal_mask)
 
 
 def is_active(config) -> bool:
-    return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+    return uses_m3_sparse(config)
+
+
+def load_kernel():
+    """This kernel package: the ops are looked up on it at call time (one place to
+    replace them, e.g. to observe calls)."""
+    return sys.modules[__package__]
+
+
+def _on_input_device(fn):
+    """Run ``fn(module, x, ...)`` with ``x``'s GPU as the current CUDA device: Triton launches
+    on the current device, and with a ``device_map`` a layer may sit on another GPU."""
+
+    @functools.wraps(fn)
+    def wrapper(module, x, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return fn(module, x, *args, **kwargs)
+        return fn(module, x, *args, **kwargs)
+
+    return wrapper
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,8 +120,33 @@ def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------
+# short histories: every block selected
+# ---------------------------------------------------------------------------------------
+def every_block_selected(slots: int, topk: int, block_size: int) -> bool:
+    """Whether a history of at most ``slots`` tokens per sequence (a host-side bound) has
+    no more blocks than the top-k keeps: every query then selects every block it can see,
+    so the sparse layer is exactly dense causal attention and the scores need not run.
+
+    Never while a CUDA graph is being captured: replays of the step go on past the
+    history length seen at capture, and the sparse kernels are right at every length.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return -(-slots // block_size) <= topk
+
+
+def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch.Tensor:
+    """The selection such a layer makes, ``[B, heads, S, topk]``: blocks ``0 ..`` of the
+    history, ``-1`` past its last block (blocks after a query's own hold no key it sees)."""
+    ids = torch.arange(topk, dtype=torch.int32, device=device)
+    ids = torch.where(ids < -(-slots // block_size), ids, -1)
+    return ids.expand(batch, heads, q_len, topk)
+
+
+# ---------------------------------------------------------------------------------------
 # index branch
 # ---------------------------------------------------------------------------------------
+@_on_input_device
 def indexer_forward(self, hidden_states, position_embeddings, past_key_values, position_ids):
     """``MiniMaxM3VLIndexer.forward`` while ``m3_sparse`` is active.
 
@@ -103,11 +165,14 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     idx_k = self.k_norm(idx_k).transpose(1, 2)  # [B, 1, S, Di]
     cos, sin = position_embeddings
     idx_q, idx_k = m3.apply_rotary_pos_emb(idx_q, idx_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
+    heads = idx_q.shape[1]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
 
     layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
     fp8_args = {}
     if layer is not None:
         pool = layer.update_index(idx_k)
+        if every_block_selected(layer.slots_used, self.topk_blocks, self.block_size):
+            return _first_blocks(batch, heads, q_len, self.topk_blocks, layer.slots_used, self.block_size, idx_q.device)
         tables, kv_lens = layer.block_tables, layer.step_kv_lens
         cu = torch.arange(batch + 1, dtype=torch.int32, device=idx_q.device) * q_len
         if layer.index_scales is not None:
@@ -118,11 +183,13 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         history = idx_k
         if past_key_values is not None:
             history = past_key_values.layers[self.layer_idx].update_index(idx_k)  # stock contiguous layer
+        if every_block_selected(history.shape[2], self.topk_blocks, self.block_size):
+            return _first_blocks(batch, heads, q_len, self.topk_blocks, history.shape[2], self.block_size, idx_q.device)
         _check_no_holes(step_mask(), q_len)
         pool, tables, cu, kv_lens = _contiguous_pages(history, q_len, EPHEMERAL_PAGE_SIZE, step_mask())
         pool = pool[:, 0]  # one shared index-key head
     selected = kernel.index_topk(
-        idx_q.transpose(1, 2).reshape(batch * q_len, self.num_heads, self.head_dim),
+        idx_q.transpose(1, 2).reshape(batch * q_len, heads, self.head_dim),
         pool,
         tables,
         cu_seqlens_q=cu,
@@ -133,12 +200,13 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         max_seqlen_q=q_len,
         **fp8_args,
     )
-    return selected.view(batch, q_len, self.num_heads, self.topk_blocks).permute(0, 2, 1, 3)
+    return selected.view(batch, q_len, heads, self.topk_blocks).permute(0, 2, 1, 3)
 
 
 # ---------------------------------------------------------------------------------------
 # attention interface
 # ---------------------------------------------------------------------------------------
+@_on_input_device
 def m3_sparse_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -187,9 +255,12 @@ def m3_sparse_attention(
         k_pool, tables, cu, kv_lens = _contiguous_pages(key, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
         v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
 
-    if block_indices is not None:
+    history = layer.slots_used if layer is not None else key.shape[2]
+    if block_indices is not None and not every_block_selected(
+        history, block_indices.shape[-1], module.config.index_block_size
+    ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
-        out, _ = kernel.kvouter_attention(
+        out, _ = kernel.sparse_attention(
             q,
             k_pool,
             v_pool,
@@ -197,6 +268,7 @@ def m3_sparse_attention(
             tables,
             cu_seqlens_q=cu,
             used_kv_lens=kv_lens,
+            max_seqlen_q=q_len,
             softmax_scale=scaling,
             causal=causal,
             block_size=module.config.index_block_size,
@@ -213,6 +285,32 @@ def m3_sparse_attention(
             causal=causal,
         )
     return out.view(batch, q_len, hq, d), None
+
+
+# Marks the function for uses_m3_sparse(): transformers registers a hub kernel's attention
+# function under the hub string ("org/m3-sparse:m3_sparse_attention").
+m3_sparse_attention.is_m3_sparse_attention = True
+
+
+def create_causal_mask(*args, **kwargs):
+    """``create_causal_mask`` of the M3 model while this package is loaded.
+
+    Loading the attention function from the hub pairs it with one of transformers' own
+    mask functions (sdpa's for ``"org/m3-sparse"``, flash-attention's for
+    ``"org/m3-sparse:m3_sparse_attention"``): a 4-D mask, or a host read of the mask,
+    and no record of padding for the paged cache. The first mask built for such a model
+    registers :func:`m3_sparse_mask` under its hub string instead.
+    """
+    config = kwargs.get("config", args[0] if args else None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION and uses_m3_sparse(config):
+        if ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not m3_sparse_mask:
+            AttentionMaskInterface.register(impl, m3_sparse_mask)
+    return _ORIGINAL_CREATE_CAUSAL_MASK(*args, **kwargs)
+
+
+create_causal_mask.m3_sparse_original = _ORIGINAL_CREATE_CAUSAL_MASK
+indexer_forward.m3_sparse_original = _ORIGINAL_INDEXER_FORWARD
 
 
 def m3_sparse_mask(
@@ -252,8 +350,11 @@ def _prepare_cache_for_generation(original):
         ):
             rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
             length = max(max_cache_length, generation_config.max_cache_len or 0)
+            # Layers spread over devices (device_map, offloading): each allocates its pages on
+            # the device its K/V arrive on.
+            spread = len({p.device for p in self.parameters()}) > 1
             model_kwargs["past_key_values"] = M3PagedCache(
-                self.config, rows, length, device=self.device, dtype=self.dtype
+                self.config, rows, length, device=None if spread else self.device, dtype=self.dtype
             )
             return None
         return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
@@ -274,8 +375,10 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, m3_sparse_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, m3_sparse_mask)
     m3.MiniMaxM3VLIndexer.forward = indexer_forward
+    m3.create_causal_mask = create_causal_mask
     for cls in (m3.MiniMaxM3VLForCausalLM, m3.MiniMaxM3SparseForConditionalGeneration):
         cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
+    tp.register()
     _REGISTERED = True
 
 

@@ -1,0 +1,511 @@
+"""Triton sparse decode attention: query-outer, the selected blocks split over programs.
+
+Same contract as :func:`decode_attention.sparse_decode_attention` (and
+``kvouter_attention``): ``out [Tq, Hq, D]`` in q's dtype, ``lse [Hq, Tq]`` fp32 or
+None; a query that sees no key gets zeros and lse = -inf.
+
+KV-outer loads each selected block once for every query that chose it, which pays
+off when many queries share blocks (prefill). In decode a sequence has 1..16 new
+tokens, so there is little to share and the index build, schedule and partial
+traffic of KV-outer cost more than they save. Here each program owns one
+(token, kv head, split):
+
+* the G query heads of the token that share kv head ``g`` are the rows of one tile
+  (padded to at least 16 rows, the smallest MMA M), so a K/V chunk is read once for
+  the whole group;
+* the token's selected ids are read as one vector; empty slots (-1), blocks wholly
+  past the token's last visible key and repeated ids (a slot equal to an earlier
+  slot) are dropped;
+* the work is the chunks of BN keys of the kept blocks that hold a visible key,
+  numbered in slot order; split ``s`` of ``S`` takes an equal contiguous share,
+  counted on the device, so the splits stay balanced whatever the number of empty
+  slots and the position inside the local block;
+* each chunk is read straight from the paged cache through the block table: when a
+  chunk fits in a page, all the table entries the program needs are read before
+  its loop (so no load in the loop waits on another load), else one entry per key;
+* online softmax in base 2 with fp32 accumulation; only keys past the token's
+  limit (its position when causal, the kv length otherwise) are masked.
+
+With one split the program writes the normalised output and lse itself. With
+several it writes its raw (m, l, o) in fp32 to a workspace ``[Tq * Hkv * S, G]``
+and ``_decode_combine_kernel`` merges the splits by their max:
+``M = max m_s``, ``a_s = 2^(m_s - M)``, ``out = sum a_s o_s / sum a_s l_s``.
+
+The split count comes from shapes only (enough programs to cover the GPU a few
+times over); no device value is read on the host, so a call can be captured in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import contiguous, interpreting, next_pow2, num_sms
+from .decode_attention import MAX_TRITON_TOPK
+
+LOG2E = 1.4426950408889634
+
+# Launch settings (the benchmark's sweep overrides them): keys per chunk (capped at
+# the block size), warps, software-pipelining depth, the programs per SM the split
+# count aims for, and the fewest key chunks a split may get (each program pays a
+# fixed cost: finding its sequence, the selection row, the table entries, q, and a
+# partial written and merged).
+DECODE_CONFIG = {
+    "block_n": 64,
+    "num_warps": 4,
+    "num_stages": 3,
+    "programs_per_sm": 1,  # H200 sweep, batch 32 x 128K: 2 splits 50.8 us, 8 splits 56.7 us
+    "min_chunks_per_split": 2,
+}
+# Partial values (splits x heads x head dim) one combine program merges: 8 splits of
+# 8 heads at D = 128, loaded all at once (64 registers a thread at 4 warps).
+COMBINE_ELEMS = 8192
+# Most splits per (token, kv head): the combine kernel unrolls its loop over them.
+MAX_SPLITS = 64
+# Shared memory the K/V pipeline buffers may take (the H100/H200 have 227 KB per block).
+SMEM_BUDGET = 160 * 1024
+# Sequence ends (cu_seqlens_q) a program reads per step while finding its sequence.
+MAX_SEQ_CHUNK = 1024
+# Smallest M of an MMA tile: the head group is padded to at least this many rows.
+MIN_ROWS = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    sel_ptr,
+    bt_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ks,
+    stride_vp,
+    stride_vh,
+    stride_vs,
+    stride_st,
+    stride_sg,
+    stride_sk,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    num_tokens,
+    num_seqs,
+    topk,
+    qk_scale,
+    G: tl.constexpr,
+    RP: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+    PS: tl.constexpr,
+    TOPK_P2: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    FINAL: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
+    SEQ_STEPS: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One (token, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
+    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace."""
+    CPB: tl.constexpr = BS // BN  # key chunks per block
+    ONE_PAGE: tl.constexpr = BN <= PS  # a chunk never straddles pages (both powers of two)
+    PPB: tl.constexpr = BS // PS if BS > PS else 1  # pages per block
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
+    # whole vectors of cu (one load for a decode batch) rather than a binary search,
+    # whose log2(B) dependent loads would each wait a full memory latency. Unrolled: a
+    # runtime loop here keeps Triton from pipelining the main loop's loads.
+    offs_b = tl.arange(0, SEQ_CHUNK)
+    seq = t * 0
+    for i in tl.static_range(SEQ_STEPS):
+        b_i = i * SEQ_CHUNK + offs_b
+        b_end = tl.load(cu_ptr + 1 + b_i, mask=b_i < num_seqs, other=2147483647)
+        seq += tl.sum((b_end <= t).to(tl.int32), 0)
+    kv_len = tl.load(kvlen_ptr + seq).to(tl.int32)
+    # Queries are the last tokens of their sequence: position = kv_len - q_end + t.
+    pos = kv_len - tl.load(cu_ptr + seq + 1).to(tl.int32) + t
+    if CAUSAL:
+        lim = tl.minimum(pos, kv_len - 1)
+    else:
+        lim = kv_len - 1
+    # Last visible key; a token before its sequence's first key sees nothing.
+    lim = tl.where(pos >= 0, lim, -1)
+
+    offs_k = tl.arange(0, TOPK_P2)
+    p_sel = sel_ptr + t.to(tl.int64) * stride_st + g * stride_sg + offs_k * stride_sk
+    b_ids = tl.load(p_sel, mask=offs_k < topk, other=-1).to(tl.int32)  # [TOPK_P2]
+    b_ok = (b_ids >= 0) & (b_ids * BS <= lim)
+    # A repeated id counts once: only its first slot is kept.
+    b_same = (b_ids[:, None] == b_ids[None, :]) & (offs_k[None, :] < offs_k[:, None])  # [TOPK_P2, TOPK_P2]
+    b_ok = b_ok & (tl.max(b_same.to(tl.int32), 1) == 0)
+    # Key chunks of each kept block that hold a visible key (the local block's tail
+    # past the position holds none), numbered in slot order: slot k owns chunks
+    # [b_c0[k], b_c0[k] + b_nch[k]).
+    b_nch = tl.where(b_ok, tl.minimum((lim - b_ids * BS) // BN + 1, CPB), 0)  # [TOPK_P2]
+    b_c0 = tl.cumsum(b_nch, 0) - b_nch
+    n_units = tl.sum(b_nch, 0)
+    per_split = (n_units + num_splits - 1) // num_splits
+    u_lo = split * per_split
+    u_hi = tl.minimum(u_lo + per_split, n_units)
+
+    offs_r = tl.arange(0, RP)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    row_ok = offs_r < G
+    head = g * G + offs_r
+    p_q = q_ptr + t.to(tl.int64) * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
+    b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [RP, BD]
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    if ONE_PAGE:
+        # Every table entry the loop needs, read up front: [slot, page of the block].
+        # The loop then issues no load whose address waits on another load.
+        offs_p = tl.arange(0, PPB)
+        b_first = b_ids[:, None] * BS + offs_p[None, :] * PS  # [TOPK_P2, PPB] first key of each page
+        # Pages past the token's last visible key may hold anything: not read.
+        b_pages = tl.load(bt_row + b_first // PS, mask=b_ok[:, None] & (b_first <= lim), other=0)  # [TOPK_P2, PPB]
+    k_head = k_ptr + g.to(tl.int64) * stride_kh
+    v_head = v_ptr + g.to(tl.int64) * stride_vh
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, BD], tl.float32)
+    for u in range(u_lo, u_hi):
+        b_this = (u >= b_c0) & (u < b_c0 + b_nch)  # [TOPK_P2] the slot that owns chunk u
+        blk = tl.max(tl.where(b_this, b_ids, -1), 0)
+        c = u - tl.max(tl.where(b_this, b_c0, 0), 0)  # chunk within the block
+        n0 = blk * BS + c * BN
+        k_pos = n0 + offs_n
+        k_ok = k_pos <= lim
+        if ONE_PAGE:
+            b_pick = b_this[:, None] & (offs_p[None, :] == (c * BN) // PS)  # [TOPK_P2, PPB]
+            page = tl.max(tl.max(tl.where(b_pick, b_pages, 0), 1), 0).to(tl.int64)
+        else:
+            # A chunk spans pages: one table entry per key.
+            page = tl.load(bt_row + k_pos // PS, mask=k_ok, other=0).to(tl.int64)  # [BN]
+        slot = (k_pos % PS).to(tl.int64)
+        off_k = page * stride_kp + slot * stride_ks  # [BN]
+        off_v = page * stride_vp + slot * stride_vs  # [BN]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        b_k = tl.load(k_head + off_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        b_v = tl.load(v_head + off_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [RP, BN], log2 units
+        b_s = tl.where(k_ok[None, :], b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [RP]
+        # A row that has seen nothing yet keeps m = -inf; exp2 against 0 keeps it NaN-free.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # [RP]
+        b_p = tl.exp2(b_s - m_safe[:, None])  # [RP, BN]
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        if UPCAST:
+            b_pv = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [RP, BD]
+        else:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [RP, BD]
+        acc = acc * alpha[:, None] + b_pv
+        m_i = m_new
+
+    if FINAL:
+        empty = l_i == 0.0
+        b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [RP, BD]
+        p_o = o_ptr + t.to(tl.int64) * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if RETURN_LSE:
+            b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            tl.store(m_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
+    else:
+        # Workspace rows ((t * Hkv + g) * S + split) * G + r: one contiguous G x D run.
+        ws_row = ((t.to(tl.int64) * tl.num_programs(1) + g) * num_splits + split) * G + offs_r
+        tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(m_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(l_ptr + ws_row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    o_ws_ptr,
+    m_ws_ptr,
+    l_ws_ptr,
+    out_ptr,
+    lse_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    RB: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1) * RB + tl.arange(0, RB)
+    offs_d = tl.arange(0, BD)
+    row_ok = head < num_heads
+    d_ok = offs_d < D
+    # Split s of (t, head) is workspace row ((t * Hkv + g) * S + s) * G + r, head = g * G + r.
+    hkv = num_heads // G
+    row0 = ((t.to(tl.int64) * hkv + head // G) * S) * G + head % G  # [RB]
+
+    # Unrolled, so that the loads of all splits are independent and in flight together.
+    b_mx = tl.full([RB], float("-inf"), tl.float32)
+    for s in tl.static_range(S):
+        b_mx = tl.maximum(b_mx, tl.load(m_ws_ptr + row0 + s * G, mask=row_ok, other=float("-inf")))
+    empty = b_mx == float("-inf")
+    m_safe = tl.where(empty, 0.0, b_mx)
+    b_l = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, BD], tl.float32)
+    for s in tl.static_range(S):
+        row = row0 + s * G
+        b_m = tl.load(m_ws_ptr + row, mask=row_ok, other=float("-inf"))
+        b_ls = tl.load(l_ws_ptr + row, mask=row_ok, other=0.0)
+        b_o = tl.load(o_ws_ptr + row[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # 2^-inf = 0 drops splits that saw no key.
+        b_a = tl.exp2(b_m - m_safe)  # [RB]
+        b_l += b_a * b_ls
+        acc += b_a[:, None] * b_o  # [RB, BD]
+    b_out = acc / tl.where(empty, 1.0, b_l)[:, None]
+    p_out = out_ptr + t.to(tl.int64) * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        b_lse = tl.where(empty, float("-inf"), (b_mx + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
+        tl.store(lse_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
+
+
+def chunk_keys(block_size: int, block_n: int | None = None) -> int:
+    """Keys per chunk: ``block_n`` (default DECODE_CONFIG) capped at the block size."""
+    bn = DECODE_CONFIG["block_n"] if block_n is None else int(block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {bn}")
+    return min(bn, block_size)
+
+
+def default_num_splits(
+    num_tokens: int, num_kv_heads: int, topk: int, block_size: int, device: torch.device, block_n: int | None = None
+) -> int:
+    """Splits per (token, kv head), from shapes only: a power of two that brings the
+    grid to about ``programs_per_sm`` programs per SM, with at least
+    ``min_chunks_per_split`` key chunks of a full row of selections per split."""
+    pairs = max(1, num_tokens * num_kv_heads)
+    target = num_sms(device, cpu_default=4) * DECODE_CONFIG["programs_per_sm"]
+    if pairs >= target:
+        return 1
+    units = topk * (block_size // chunk_keys(block_size, block_n))
+    most = max(1, min(MAX_SPLITS, units // max(1, DECODE_CONFIG["min_chunks_per_split"])))
+    return max(1, min(next_pow2(-(-target // pairs)), most))
+
+
+def run_decode_triton(
+    q,
+    k_cache,
+    v_cache,
+    selected,
+    block_tables,
+    *,
+    cu_seqlens_q,
+    used_kv_lens,
+    softmax_scale,
+    causal,
+    block_size,
+    return_lse,
+    batch,
+    num_splits=None,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+):
+    """The decode kernels on arguments already checked by ``interface.validate_kvouter``
+    (``softmax_scale`` resolved, ``batch`` = number of sequences). Launch choices
+    (``num_splits``, ``block_n``, ``num_warps``, ``num_stages``) never change results
+    beyond rounding."""
+    block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
+    num_tokens, hq, d = q.shape
+    _, hkv, page_size, _ = k_cache.shape
+    topk = selected.shape[2]
+    group = hq // hkv
+    device = q.device
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size: the Triton decode kernel needs a power of two >= 16, got {block_size}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
+    if topk > MAX_TRITON_TOPK:
+        raise ValueError(f"selected: the Triton decode kernel takes at most {MAX_TRITON_TOPK} slots a row, got {topk}")
+    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=device)
+    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    if num_tokens == 0 or batch == 0:
+        return out, lse
+    if topk == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    bn = chunk_keys(block_size, block_n)
+    bd = max(16, next_pow2(d))
+    if num_stages is None:
+        num_stages = DECODE_CONFIG["num_stages"]
+    if block_n is None:
+        # The pipeline keeps num_stages - 1 K and V chunks in shared memory: halve the
+        # chunk for wide heads and fp32 until they fit.
+        while bn > 16 and max(1, num_stages - 1) * 2 * bn * bd * q.element_size() > SMEM_BUDGET:
+            bn //= 2
+    if num_splits is None:
+        num_splits = default_num_splits(num_tokens, hkv, topk, block_size, device, bn)
+    num_splits = int(num_splits)
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits}")
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: at most {MAX_SPLITS}, got {num_splits}")
+    rp = max(MIN_ROWS, next_pow2(group))
+    if num_warps is None:
+        num_warps = 8 if rp >= 128 else DECODE_CONFIG["num_warps"]
+    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
+    # rounded operands give the GPU kernel's result.
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    final = num_splits == 1
+    seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
+    if final:
+        o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+    else:
+        rows = num_tokens * hkv * num_splits * group
+        o_buf = torch.empty(rows, d, dtype=torch.float32, device=device)
+        m_buf = torch.empty(rows, dtype=torch.float32, device=device)
+        l_buf = torch.empty(rows, dtype=torch.float32, device=device)
+    _decode_split_kernel[(num_tokens, hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q,
+        used_kv_lens,
+        o_buf,
+        m_buf,
+        l_buf,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        selected.stride(0),
+        selected.stride(1),
+        selected.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_tokens,
+        batch,
+        topk,
+        float(softmax_scale) * LOG2E,
+        G=group,
+        RP=rp,
+        D=d,
+        BD=bd,
+        BS=block_size,
+        BN=bn,
+        PS=page_size,
+        TOPK_P2=max(2, next_pow2(topk)),
+        CAUSAL=bool(causal),
+        FINAL=final,
+        RETURN_LSE=bool(return_lse),
+        SEQ_CHUNK=seq_chunk,
+        SEQ_STEPS=-(-batch // seq_chunk),
+        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
+        UPCAST=upcast,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not final:
+        # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
+        rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
+        _decode_combine_kernel[(num_tokens, triton.cdiv(hq, rb))](
+            o_buf,
+            m_buf,
+            l_buf,
+            out,
+            lse if lse is not None else out,
+            num_tokens,
+            hq,
+            out.stride(0),
+            out.stride(1),
+            S=num_splits,
+            G=group,
+            RB=rb,
+            D=d,
+            BD=bd,
+            RETURN_LSE=bool(return_lse),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def sparse_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``decode_attention.sparse_decode_attention`` on the Triton kernels whatever the
+    device, with the launch choices exposed (tests, benchmarks)."""
+    from .interface import validate_kvouter
+
+    batch, _, scale = validate_kvouter(
+        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
+    )
+    return run_decode_triton(
+        q,
+        k_cache,
+        v_cache,
+        selected,
+        block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens,
+        softmax_scale=scale,
+        causal=causal,
+        block_size=block_size,
+        return_lse=return_lse,
+        batch=batch,
+        num_splits=num_splits,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+__all__ = ["run_decode_triton", "sparse_decode_attention_triton", "default_num_splits", "DECODE_CONFIG"]
