@@ -1,0 +1,143 @@
+"""One sparse M3 layer's prefill (index branch + KV-outer attention) at long prompts, with
+the partial buffer bounded by ``max_workspace_bytes``: time and peak memory per prompt
+length, and at 128K the effect of the workspace budget (query slices) on speed.
+
+    python3 benchmarks/bench_long_prefill.py                      # 32K..512K + 128K budget sweep
+    python3 benchmarks/bench_long_prefill.py --sizes 131072 --budgets 1,4,unbounded
+
+Workload: Hq 64, Hkv 4, D 128, 4 index heads of dim 128, block 128, top-16, page 128, bf16,
+one causal prefill; index queries/keys random, so the selections are the index kernel's
+own (no hand-made pattern). Peak memory: ``torch.cuda.max_memory_allocated`` during the
+call minus what the inputs already held. Dense cuDNN causal attention of the same
+prompt is timed alongside up to --dense-max tokens. The last thing printed is a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+import m3_sparse  # noqa: E402
+from bench_kvouter import bench_slow, dense_cudnn  # noqa: E402
+
+HQ, HKV, D, HI, DI, BLOCK, TOPK, PAGE = 64, 4, 128, 4, 128, 128, 16, 128
+GIB = 1 << 30
+
+
+def make_inputs(n: int, seed: int = 0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    pages = -(-n // PAGE)
+    bf = torch.bfloat16
+    return dict(
+        q=torch.randn(n, HQ, D, device=dev, dtype=bf, generator=g),
+        k=torch.randn(pages, HKV, PAGE, D, device=dev, dtype=bf, generator=g),
+        v=torch.randn(pages, HKV, PAGE, D, device=dev, dtype=bf, generator=g),
+        iq=torch.randn(n, HI, DI, device=dev, dtype=bf, generator=g),
+        ik=torch.randn(pages, PAGE, DI, device=dev, dtype=bf, generator=g),
+        bt=torch.randperm(pages, device=dev, generator=g).to(torch.int32)[None],
+        cu=torch.tensor([0, n], device=dev, dtype=torch.int32),
+        kv=torch.tensor([n], device=dev, dtype=torch.int32),
+    )
+
+
+def sparse_layer(p, budget):
+    sel = m3_sparse.index_topk(
+        p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
+        max_seqlen_q=p["q"].shape[0],
+    )
+    out, _ = m3_sparse.kvouter_attention(
+        p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
+        max_workspace_bytes=budget,
+    )
+    return out
+
+
+def measure(n, budget, dense_max):
+    p = make_inputs(n)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sparse_layer(p, budget)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - held
+    t = bench_slow(lambda: sparse_layer(p, budget))
+    dense = None
+    if n <= dense_max:
+        dense, _ = dense_cudnn({"q": p["q"], "n_seq": 1, "seq_len": n})
+    del p
+    torch.cuda.empty_cache()
+    return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense)
+
+
+def profile(n, budgets, out_dir):
+    """Kernel-time breakdown of the attention call alone (selections precomputed) per budget."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    p = make_inputs(n)
+    sel = m3_sparse.index_topk(
+        p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
+        max_seqlen_q=n,
+    )
+    for budget in budgets:
+        call = lambda: m3_sparse.kvouter_attention(  # noqa: E731
+            p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
+            max_workspace_bytes=budget,
+        )
+        call()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        name = "unbounded" if budget >= 1 << 49 else f"{budget / GIB:g}GiB"
+        print(f"\n## attention only, {n} tokens, budget {name}\n{table}", flush=True)
+        (Path(out_dir) / f"profile_{n}_{name}.txt").write_text(table)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="32768,131072,262144,524288")
+    ap.add_argument("--budgets", default="1,2,4,8,unbounded", help="GiB budgets swept at 128K")
+    ap.add_argument("--dense-max", type=int, default=131072)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true", help="only the kernel-time breakdown at 128K, 4 GiB vs unbounded")
+    args = ap.parse_args()
+    if args.profile:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        profile(131072, [4 * GIB, 1 << 50], args.out)
+        return
+    rows = []
+    default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES
+    for n in [int(x) for x in args.sizes.split(",")]:
+        rows.append(measure(n, default, args.dense_max))
+        print(rows[-1], flush=True)
+    if 131072 in [int(x) for x in args.sizes.split(",")]:
+        for b in args.budgets.split(","):
+            budget = 1 << 50 if b == "unbounded" else int(float(b) * GIB)
+            if budget == default:
+                continue
+            rows.append(measure(131072, budget, 0))
+            print(rows[-1], flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_long_prefill.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n| tokens | workspace budget | index + attention ms | peak extra GiB | dense cuDNN ms | dense / sparse |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        b = "unbounded" if r["budget"] >= 1 << 49 else f"{r['budget'] / GIB:g} GiB"
+        d = f"{r['dense_ms']:.1f}" if r["dense_ms"] else "-"
+        ratio = f"{r['dense_ms'] / r['ms']:.1f}" if r["dense_ms"] else "-"
+        print(f"| {r['n']} | {b} | {r['ms']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
