@@ -302,3 +302,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def kernel_module(name: str):
+    """Import the Triton kernel module ``name``; without CUDA, make sure its kernels are the
+    interpreter's (they are re-decorated if the module was imported before
+    TRITON_INTERPRET was set, which the conftest files normally prevent)."""
+    import importlib
+
+    mod = importlib.import_module(name)
+    if torch.cuda.is_available():
+        return mod
+    kernels = [v for k, v in vars(mod).items() if k.endswith("_kernel")]
+    if not all(type(k).__name__ == "InterpretedFunction" for k in kernels):
+        mod = importlib.reload(mod)
+    return mod
+

@@ -12,7 +12,6 @@ it runs natively, plus M3-sized shapes and a CUDA-graph capture.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -30,6 +29,7 @@ triton = pytest.importorskip("triton")
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
+    kernel_module,
     assert_close,
     gen,
     is_poisoned,
@@ -42,16 +42,7 @@ from m3_sparse.decode_attention import sparse_decode_attention_torch  # noqa: E4
 from m3_sparse.reference import sparse_attention_ref  # noqa: E402
 
 
-def _kernel_module():
-    name = "m3_sparse.triton_decode"
-    mod = importlib.import_module(name)
-    interpreted = type(mod._decode_split_kernel).__name__ == "InterpretedFunction"
-    if not HAS_CUDA and sys.modules.get(name) is mod and not interpreted:
-        mod = importlib.reload(mod)
-    return mod
-
-
-tdec = _kernel_module()
+tdec = kernel_module("m3_sparse.triton_decode")
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]

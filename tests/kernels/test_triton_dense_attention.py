@@ -7,9 +7,7 @@ the same tests run natively.
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
+    kernel_module,
     assert_close,
     gen,
     is_poisoned,
@@ -35,15 +34,7 @@ from m3_sparse.dense_attention import dense_paged_attention_torch  # noqa: E402
 from m3_sparse.reference import dense_attention_ref  # noqa: E402
 
 
-def _kernel_module():
-    name = "m3_sparse.triton_dense_attention"
-    mod = importlib.import_module(name)
-    if not HAS_CUDA and sys.modules.get(name) is mod and type(mod._dense_paged_attn_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
-
-
-tda = _kernel_module()
+tda = kernel_module("m3_sparse.triton_dense_attention")
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]

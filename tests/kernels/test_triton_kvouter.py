@@ -8,9 +8,7 @@ partial buffer past 2^31 elements).
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ triton = pytest.importorskip("triton")
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
+    kernel_module,
     assert_close,
     gen,
     is_poisoned,
@@ -37,22 +36,8 @@ from kernel_test_utils import (  # noqa: E402
 from m3_sparse.reference import sparse_attention_ref  # noqa: E402
 
 
-def _kernel_modules():
-    mods = []
-    for name in ("m3_sparse.triton_combine", "m3_sparse.triton_kvouter"):
-        mod = importlib.import_module(name)
-        if not HAS_CUDA and sys.modules.get(name) is mod and not _interpreted(mod):
-            mod = importlib.reload(mod)
-        mods.append(mod)
-    return mods
-
-
-def _interpreted(mod) -> bool:
-    kernels = [v for k, v in vars(mod).items() if k.endswith("_kernel")]
-    return all(type(k).__name__ == "InterpretedFunction" for k in kernels)
-
-
-tcomb, tkv = _kernel_modules()
+tcomb = kernel_module("m3_sparse.triton_combine")
+tkv = kernel_module("m3_sparse.triton_kvouter")
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]
