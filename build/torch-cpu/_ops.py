@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_ab45639ac3"
+NAMESPACE = "_m3_sparse_cpu_2856677f4d"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -54,7 +54,7 @@ def is_active(config) -> bool:
     return uses_m3_sparse(config)
 
 
-def load_kernel():
+def _kernel_package():
     """This kernel package: the ops are looked up on it at call time (one place to
     replace them, e.g. to observe calls)."""
     return sys.modules[__package__]
@@ -157,7 +157,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     """
     if not is_active(self.config):
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
-    kernel = load_kernel()
+    kernel = _kernel_package()
     batch, q_len, _ = hidden_states.shape
     idx_q = self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
     idx_q = self.q_norm(idx_q).transpose(1, 2)  # [B, Hi, S, Di]
@@ -230,7 +230,7 @@ def m3_sparse_attention(
             f"m3_sparse: expected a 2-D padding mask from the m3_sparse mask function, got shape "
             f"{tuple(attention_mask.shape)}"
         )
-    kernel = load_kernel()
+    kernel = _kernel_package()
     batch, hq, q_len, d = query.shape
     causal = getattr(module, "is_causal", True)
     q = query.transpose(1, 2).reshape(batch * q_len, hq, d)

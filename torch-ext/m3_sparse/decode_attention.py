@@ -17,7 +17,7 @@ import torch
 
 from ._dispatch import kvouter_unsupported, use_triton
 from .interface import validate_kvouter
-from .layout import token_positions
+from .layout import repeated_slots, token_positions
 
 # Bytes of gathered K/V (fp32) and scores one torch chunk of tokens may hold.
 TORCH_CHUNK_BYTES = 256 << 20
@@ -145,7 +145,6 @@ def sparse_decode_attention_torch(
     chunk = max(1, TORCH_CHUNK_BYTES // max(1, per_token))
     offs_b = torch.arange(block_size, device=device)
     heads = torch.arange(hkv, device=device)[None, :, None, None]
-    earlier = torch.ones(topk, topk, dtype=torch.bool, device=device).tril(-1)
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
         n = t1 - t0
@@ -154,7 +153,7 @@ def sparse_decode_attention_torch(
         lim = torch.where(pos < 0, -1, pos if causal else kv[seq] - 1)  # [C]
         sel = selected[t0:t1].to(torch.int64)  # [C, Hkv, K]
         # A repeated id counts once: keep its first slot.
-        repeat = ((sel[..., :, None] == sel[..., None, :]) & earlier).any(-1)
+        repeat = repeated_slots(sel)
         kpos = sel.clamp(min=0)[..., None] * block_size + offs_b  # [C, Hkv, K, Bs]
         visible = ((sel >= 0) & ~repeat)[..., None] & (kpos <= lim[:, None, None, None])
         # Never dereference table entries past a sequence's keys; zero what invisible

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ._validate import INDEX_DTYPES, check_positive_int, check_selected_values, check_tensor
-from .layout import token_seq_ids
+from .layout import repeated_slots, token_seq_ids
 
 
 @dataclass
@@ -67,11 +67,7 @@ def build_kvouter_index(
     sel = selected.to(torch.int64)
     seq = token_seq_ids(cu_seqlens_q, num_tokens)  # [Tq]
     valid = sel >= 0
-    # A repeated id within one (token, head) row keeps only its first slot.
-    earlier_same = (sel[..., :, None] == sel[..., None, :]) & torch.ones(
-        topk, topk, dtype=torch.bool, device=device
-    ).tril(-1)
-    valid &= ~earlier_same.any(-1)
+    valid &= ~repeated_slots(sel)  # a repeated id within one (token, head) row keeps its first slot
 
     heads = torch.arange(hkv, device=device)[None, :, None]
     seg = heads * nbg + seq[:, None, None] * max_blocks + sel.clamp(min=0)  # [Tq, Hkv, topk]

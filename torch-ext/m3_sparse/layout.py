@@ -35,6 +35,14 @@ def token_positions(
     return seq, pos
 
 
+def repeated_slots(selected: torch.Tensor) -> torch.Tensor:
+    """``[..., topk]`` bool: slots whose block id already stands in an earlier slot of the
+    same row. A repeated id counts once everywhere: only its first slot is live."""
+    topk = selected.shape[-1]
+    earlier = torch.ones(topk, topk, dtype=torch.bool, device=selected.device).tril(-1)
+    return ((selected[..., :, None] == selected[..., None, :]) & earlier).any(-1)
+
+
 def gather_tokens(
     cache: torch.Tensor, block_tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, page_size: int
 ) -> torch.Tensor:
