@@ -95,7 +95,14 @@ def rank_main(argv: list[str]) -> None:
     result = workload(model)
     result.update({k: torch.tensor(v) for k, v in local.items()})
     torch.save(result, Path(args.out_dir) / f"rank{rank}.pt")
+    # Every rank must be past its last collective before any rank tears gloo down, and the
+    # interpreter must not finalize while gloo's worker threads still hold tensors: either
+    # can abort a rank at exit after its work is done and saved.
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------- the tests
@@ -116,12 +123,20 @@ def reference(checkpoints):
 def launch(world: int, checkpoint, out_dir, *extra) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    logs = Path(out_dir) / "logs"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        f"--log-dir={logs}", "--redirects=3",
         __file__, str(checkpoint), str(out_dir), *map(str, extra),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        # Each rank's own output says where it stopped; torchrun's summary does not.
+        ranks = "".join(
+            f"\n--- {f.relative_to(logs)}\n{f.read_text(errors='replace')[-2000:]}"
+            for f in sorted(logs.rglob("*.log"))
+        )
+        raise AssertionError(f"torchrun exited with {proc.returncode}{ranks}\n--- torchrun\n{proc.stderr[-3000:]}")
 
 
 def test_supported_tp_sizes_and_error():
