@@ -35,6 +35,8 @@ from triton.testing import do_bench  # noqa: E402
 import m3_sparse  # noqa: E402
 from m3_sparse import triton_combine as tcomb  # noqa: E402
 from m3_sparse import triton_kvouter as tkv  # noqa: E402
+from m3_sparse import triton_kvouter_index as tidx  # noqa: E402
+from m3_sparse import triton_scheduler as tsched  # noqa: E402
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 PEAK_FLOPS = 700e12  # bf16 GEMM 8192^3 on this H200 (M3_SPEC section 3)
@@ -271,9 +273,20 @@ def run_config(name, pattern, n_seq, seq_len, args):
     tile_q = tkv.default_tile_q(group)
     nprog = tkv.default_num_programs(q.device)
     scale = D**-0.5
-    build = lambda: m3_sparse.build_kvouter_index(sel, cu_seqlens_q=cu, max_blocks=max_blocks, batch_size=n_seq)  # noqa: E731
+    build = lambda: tidx.build_kvouter_index_triton(sel, cu_seqlens_q=cu, max_blocks=max_blocks, batch_size=n_seq)  # noqa: E731
+    build_torch = lambda: m3_sparse.build_kvouter_index(sel, cu_seqlens_q=cu, max_blocks=max_blocks, batch_size=n_seq)  # noqa: E731
     index = build()
-    sched = m3_sparse.schedule(index, tile_q=tile_q, num_programs=nprog)
+    sched = tsched.schedule_triton(index, tile_q=tile_q, num_programs=nprog)
+    # The Triton builder and scheduler must reproduce the torch ones exactly.
+    index_torch = build_torch()
+    for f in ("seg_offsets", "entry_token", "entry_rank", "entry_segment", "slot_of"):
+        if not torch.equal(getattr(index, f), getattr(index_torch, f)):
+            raise SystemExit(f"{name} {pattern}: Triton index builder differs from torch in {f}")
+    sched_torch = m3_sparse.schedule(index_torch, tile_q=tile_q, num_programs=nprog)
+    for f in ("tile_segment", "tile_start", "tile_end", "num_tiles", "program_tiles"):
+        if not torch.equal(getattr(sched, f), getattr(sched_torch, f)):
+            raise SystemExit(f"{name} {pattern}: Triton scheduler differs from torch in {f}")
+    del index_torch, sched_torch
     attn = lambda: tkv.kvouter_partials_triton(  # noqa: E731
         q, k, v, index, sched, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=scale, causal=True, block_size=BLOCK
     )
@@ -285,7 +298,9 @@ def run_config(name, pattern, n_seq, seq_len, args):
     del out, lse
     r = dict(name=name, pattern=pattern, n=n, err=err)
     r["t_build"] = bench(build)
-    r["t_sched"] = bench(lambda: m3_sparse.schedule(index, tile_q=tile_q, num_programs=nprog))
+    r["t_sched"] = bench(lambda: tsched.schedule_triton(index, tile_q=tile_q, num_programs=nprog))
+    r["t_build_torch"] = bench(build_torch)
+    r["t_sched_torch"] = bench(lambda: m3_sparse.schedule(index, tile_q=tile_q, num_programs=nprog))
     r["t_attn"] = bench(attn)
     r["t_comb"] = bench(comb)
     del parts
@@ -304,7 +319,8 @@ def run_config(name, pattern, n_seq, seq_len, args):
     del index, sched
     torch.cuda.empty_cache()
     log(
-        f"  build {r['t_build']:.3f} sched {r['t_sched']:.3f} attn {r['t_attn']:.3f} comb {r['t_comb']:.3f} "
+        f"  build {r['t_build']:.3f} (torch {r['t_build_torch']:.3f}) sched {r['t_sched']:.3f} "
+        f"(torch {r['t_sched_torch']:.3f}) attn {r['t_attn']:.3f} comb {r['t_comb']:.3f} "
         f"module {r['t_module']:.3f} ms | attn {r['flops'] / r['t_attn'] / 1e9:.0f} TFLOP/s, "
         f"attn {tr['attn'] / r['t_attn'] / 1e6:.0f} GB/s, comb {tr['combine'] / r['t_comb'] / 1e6:.0f} GB/s | "
         f"floor {r['floor']:.2f} ms | err {err:.2e} | tiles {r['num_tiles']} nsb {r['nsb']}"
@@ -404,14 +420,15 @@ def fmt(x, nd=2):
 
 def table(results):
     head = (
-        "| config | build | sched | attn | combine | module | attn TFLOP/s | module TFLOP/s | module GB/s | "
-        "floor | module/floor | workspace GB | cuDNN dense | Flex | dense/module | err |"
+        "| config | build | sched | build torch | sched torch | attn | combine | module | attn TFLOP/s | "
+        "module TFLOP/s | module GB/s | floor | module/floor | workspace GB | cuDNN dense | Flex | dense/module | err |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 18]
     for r in results:
         dense = r.get("t_dense")
         lines.append(
-            f"| {r['name']} {r['pattern']} | {fmt(r['t_build'])} | {fmt(r['t_sched'])} | {fmt(r['t_attn'])} | "
+            f"| {r['name']} {r['pattern']} | {fmt(r['t_build'])} | {fmt(r['t_sched'])} | {fmt(r['t_build_torch'])} | "
+            f"{fmt(r['t_sched_torch'])} | {fmt(r['t_attn'])} | "
             f"{fmt(r['t_comb'])} | {fmt(r['t_module'])} | {r['flops'] / r['t_attn'] / 1e9:.0f} | "
             f"{r['flops'] / r['t_module'] / 1e9:.0f} | {r['bytes'] / r['t_module'] / 1e6:.0f} | {fmt(r['floor'])} | "
             f"{r['t_module'] / r['floor']:.2f} | {r['workspace'] / 1e9:.2f} | {fmt(dense)} | {fmt(r.get('t_flex'))} | "

@@ -29,8 +29,10 @@ import triton.language as tl
 
 from ._launch import contiguous, interpreting, next_pow2, num_sms
 
-from .kvouter_index import KVOuterIndex, build_kvouter_index
-from .scheduler import Schedule, schedule
+from .kvouter_index import KVOuterIndex
+from .scheduler import Schedule
+from .triton_kvouter_index import build_kvouter_index_triton
+from .triton_scheduler import schedule_triton
 
 LOG2E = 1.4426950408889634
 
@@ -400,7 +402,7 @@ def kvouter_attention_triton(
     num_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, KV-outer, Triton stages: same arguments and results as
-    ``interface.kvouter_attention`` (index built in torch, partials and combine in Triton).
+    ``interface.kvouter_attention``, every stage in Triton (index builder, scheduler, partials, combine).
 
     A repeated id in one (token, kv head) row counts once (the index builder drops it).
     """
@@ -441,8 +443,8 @@ def run_kvouter_triton(
         tile_q = default_tile_q(group)
     if num_programs is None:
         num_programs = default_num_programs(q.device)
-    index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
-    sched = schedule(index, tile_q=tile_q, num_programs=num_programs)
+    index = build_kvouter_index_triton(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
+    sched = schedule_triton(index, tile_q=tile_q, num_programs=num_programs)
     partial_o, partial_m, partial_l = kvouter_partials_triton(
         q,
         k_cache,

@@ -1,0 +1,285 @@
+"""Triton KV-outer index builder: a deterministic counting sort of the selections.
+
+Same contract and the same arrays, bit for bit, as :func:`kvouter_index.build_kvouter_index`
+(the oracle): entries sorted by segment ``g * NBg + seq * max_blocks + block``, then by token;
+``slot_of`` the reverse map; a repeated id in a (token, kv head) row keeps its first slot.
+
+A sort over all ``Tq * Hkv * topk`` entries costs milliseconds and a dozen launches; here
+the sort key is known to be (segment, token) with tokens already in order, so three passes
+over fixed-size tiles suffice:
+
+1. ``_chunk_rank_kernel``: the tokens of each sequence are cut into chunks of ``C``; per
+   (chunk, kv head) program every entry gets its rank among the chunk's earlier tokens that
+   chose the same block, and the first of them writes the chunk's count for that block.
+   Ranks come from comparing against the chunk's rows one at a time, so no program reads
+   what another thread of it wrote.
+2. ``_chunk_scan_kernel``: per (kv head, sequence, block range) an exclusive scan of the
+   counts over the sequence's chunks (in place) and the segment totals.
+3. ``_scatter_kernel``: entry = segment offset + chunk prefix + rank; writes the entry
+   arrays and turns the ranks in ``slot_of`` into entry ids.
+
+Segment offsets are a cumsum of the totals between passes 2 and 3. Every size comes from
+shapes on the host; the chunk -> sequence map is computed inside the kernels from
+``cu_seqlens_q``, so nothing is read back.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+from ._launch import contiguous, next_pow2
+from ._validate import INDEX_DTYPES, check_positive_int, check_selected_values, check_tensor
+from .kvouter_index import KVOuterIndex
+
+# Entries per chunk tile (tokens x padded top-k); the rank pass does C * topk compares per
+# entry, the count matrix has (Tq / C + B) * Hkv * max_blocks int32 cells.
+CHUNK_ENTRIES = 512
+# Cells of the count matrix before the chunks grow (256 MiB of int32).
+MAX_COUNT_CELLS = 1 << 26
+MAX_CHUNK_TOKENS = 4096
+SCAN_BLOCKS = 256  # blocks per program of the scan pass
+
+
+@triton.jit
+def _seq_chunks(cu_ptr, batch, C: tl.constexpr, BB: tl.constexpr):
+    """Per sequence slot b < BB: (first token, end token, first chunk, end chunk)."""
+    offs_b = tl.arange(0, BB)
+    b_ok = offs_b < batch
+    lo = tl.load(cu_ptr + offs_b, mask=b_ok, other=0)
+    hi = tl.load(cu_ptr + offs_b + 1, mask=b_ok, other=0)
+    n = tl.where(b_ok, tl.maximum(hi - lo + C - 1, 0) // C, 0)
+    end = tl.cumsum(n, 0)
+    return lo, hi, end - n, end
+
+
+@triton.jit
+def _locate_chunk(cu_ptr, chunk, batch, C: tl.constexpr, BB: tl.constexpr):
+    """(sequence, first token, end token) of chunk id ``chunk``; past the last chunk the
+    sequence is ``batch`` and the token range empty."""
+    lo, hi, first, end = _seq_chunks(cu_ptr, batch, C, BB)
+    offs_b = tl.arange(0, BB)
+    seq = tl.sum(((end <= chunk) & (offs_b < batch)).to(tl.int32), 0)
+    here = offs_b == seq
+    tok0 = tl.sum(tl.where(here, lo + (chunk - first) * C, 0), 0)
+    tok_end = tl.minimum(tl.sum(tl.where(here, hi, 0), 0), tok0 + C)
+    return seq, tok0, tok_end
+
+
+@triton.jit
+def _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C: tl.constexpr, TK: tl.constexpr):
+    """The chunk's selections [C, TK] and which of them are live (in range, >= 0, and the
+    first slot of their id in the row)."""
+    offs_t = tl.arange(0, C)
+    offs_r = tl.arange(0, TK)
+    tok = tok0 + offs_t  # [C]
+    t_ok = tok < tok_end
+    ok = t_ok[:, None] & (offs_r < topk)[None, :]  # [C, TK]
+    p_row = sel_ptr + tok.to(tl.int64) * s_t + g * s_g  # [C]
+    b_sel = tl.load(p_row[:, None] + offs_r[None, :] * s_r, mask=ok, other=-1)  # [C, TK]
+    b_live = ok & (b_sel >= 0)
+    for r2 in range(0, topk):
+        b_col = tl.load(p_row + r2 * s_r, mask=t_ok, other=-1)  # [C]
+        b_live &= ~((b_sel == b_col[:, None]) & (offs_r[None, :] > r2))
+    return tok, b_sel, b_live
+
+
+@triton.jit
+def _chunk_rank_kernel(
+    sel_ptr,
+    cu_ptr,
+    slot_ptr,
+    cnt_ptr,
+    batch,
+    hkv,
+    topk,
+    max_blocks,
+    s_t,
+    s_g,
+    s_r,
+    C: tl.constexpr,
+    TK: tl.constexpr,
+    BB: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    g = tl.program_id(1)
+    seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
+    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK)
+    offs_t = tl.arange(0, C)
+    offs_r = tl.arange(0, TK)
+
+    b_before = tl.zeros([C, TK], dtype=tl.int32)  # earlier tokens of the chunk with the same id
+    b_total = tl.zeros([C, TK], dtype=tl.int32)  # all tokens of the chunk with the same id
+    for j in range(0, tl.maximum(tok_end - tok0, 0)):
+        p_row = sel_ptr + (tok0 + j).to(tl.int64) * s_t + g * s_g
+        b_hit = tl.zeros([C, TK], dtype=tl.int32)
+        # A row counts once per id whatever its repeats: the hit is an any() over its slots.
+        for r2 in range(0, topk):
+            v = tl.load(p_row + r2 * s_r)
+            b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
+        b_total += b_hit
+        b_before += tl.where(offs_t[:, None] > j, b_hit, 0)
+
+    p_slot = slot_ptr + (tok[:, None].to(tl.int64) * hkv + g) * topk + offs_r[None, :]  # [C, TK]
+    tl.store(p_slot, b_before, mask=b_live)
+    # The chunk's first token holding an id is its one writer of that block's count.
+    p_cnt = cnt_ptr + (chunk.to(tl.int64) * hkv + g) * max_blocks + b_sel  # [C, TK]
+    tl.store(p_cnt, b_total, mask=b_live & (b_before == 0))
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    cu_ptr,
+    cnt_ptr,
+    tot_ptr,
+    batch,
+    hkv,
+    max_blocks,
+    C: tl.constexpr,
+    BB: tl.constexpr,
+    BLK: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    _, _, first, end = _seq_chunks(cu_ptr, batch, C, BB)
+    offs_b = tl.arange(0, BB)
+    c_lo = tl.sum(tl.where(offs_b == s, first, 0), 0)
+    c_hi = tl.sum(tl.where(offs_b == s, end, 0), 0)
+    offs = pid_b * BLK + tl.arange(0, BLK)
+    ok = offs < max_blocks
+    b_run = tl.zeros([BLK], dtype=tl.int32)
+    p_cnt = cnt_ptr + (c_lo.to(tl.int64) * hkv + g) * max_blocks + offs  # [BLK]
+    for _ in range(c_lo, c_hi):
+        b_cnt = tl.load(p_cnt, mask=ok, other=0)
+        tl.store(p_cnt, b_run, mask=ok)
+        b_run += b_cnt
+        p_cnt += hkv * max_blocks
+    seg = (g * batch + s).to(tl.int64) * max_blocks + offs
+    tl.store(tot_ptr + seg, b_run, mask=ok)
+
+
+@triton.jit
+def _scatter_kernel(
+    sel_ptr,
+    cu_ptr,
+    cnt_ptr,
+    seg_off_ptr,
+    slot_ptr,
+    e_tok_ptr,
+    e_rank_ptr,
+    e_seg_ptr,
+    batch,
+    hkv,
+    topk,
+    max_blocks,
+    s_t,
+    s_g,
+    s_r,
+    C: tl.constexpr,
+    TK: tl.constexpr,
+    BB: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    g = tl.program_id(1)
+    seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
+    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK)
+    offs_r = tl.arange(0, TK)
+    b_blk = tl.where(b_live, b_sel, 0)
+    p_slot = slot_ptr + (tok[:, None].to(tl.int64) * hkv + g) * topk + offs_r[None, :]  # [C, TK]
+    b_rank = tl.load(p_slot, mask=b_live, other=0)
+    b_seg = (g * batch + seq).to(tl.int64) * max_blocks + b_blk  # [C, TK]
+    b_prefix = tl.load(cnt_ptr + (chunk.to(tl.int64) * hkv + g) * max_blocks + b_blk, mask=b_live, other=0)
+    b_entry = tl.load(seg_off_ptr + b_seg, mask=b_live, other=0) + b_prefix + b_rank  # [C, TK]
+    tl.store(p_slot, b_entry, mask=b_live)
+    p_e = b_entry.to(tl.int64)
+    tl.store(e_tok_ptr + p_e, tl.broadcast_to(tok[:, None], [C, TK]), mask=b_live)
+    tl.store(e_rank_ptr + p_e, tl.broadcast_to(offs_r[None, :], [C, TK]), mask=b_live)
+    tl.store(e_seg_ptr + p_e, b_seg.to(tl.int32), mask=b_live)
+
+
+def chunk_tokens_for(num_tokens: int, batch: int, hkv: int, topk: int, max_blocks: int) -> int:
+    """Tokens per chunk: ``CHUNK_ENTRIES`` entries, doubled while the count matrix would
+    exceed ``MAX_COUNT_CELLS`` (long prompts over wide block tables)."""
+    chunk = max(1, CHUNK_ENTRIES // next_pow2(topk))
+    while chunk < MAX_CHUNK_TOKENS and (-(-num_tokens // chunk) + batch) * hkv * max_blocks > MAX_COUNT_CELLS:
+        chunk *= 2
+    return chunk
+
+
+def build_kvouter_index_triton(
+    selected: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    max_blocks: int,
+    batch_size: int | None = None,
+    chunk_tokens: int | None = None,
+) -> KVOuterIndex:
+    """:func:`kvouter_index.build_kvouter_index` in three Triton passes; same arrays.
+
+    ``cu_seqlens_q`` must start at 0 and end at ``selected.shape[0]`` (checked with the other
+    values on the CPU or under ``M3_SPARSE_DEBUG=1``). ``chunk_tokens`` (a power of two)
+    overrides the chunk length.
+    """
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=selected.device)
+    check_positive_int("max_blocks", max_blocks)
+    check_selected_values(selected, max_blocks)
+    num_tokens, hkv, topk = selected.shape
+    batch = cu_seqlens_q.shape[0] - 1 if batch_size is None else batch_size
+    if batch != cu_seqlens_q.shape[0] - 1:
+        raise ValueError(f"batch_size={batch}: expected cu_seqlens_q.shape[0] - 1 = {cu_seqlens_q.shape[0] - 1}")
+    if chunk_tokens is not None:
+        check_positive_int("chunk_tokens", chunk_tokens)
+        if chunk_tokens & (chunk_tokens - 1):
+            raise ValueError(f"chunk_tokens: expected a power of two, got {chunk_tokens}")
+    nbg = batch * max_blocks
+    num_segments = hkv * nbg
+    cap = num_tokens * hkv * topk
+    if max(cap, num_segments + 1, num_tokens * topk) >= 2**31:
+        raise ValueError(
+            f"selected {tuple(selected.shape)} with {num_segments} segments: int32 entry ids need "
+            "Tq * Hkv * topk and the segment count below 2**31"
+        )
+    device = selected.device
+    # Rows 0-2: entry token / rank / segment, row 3: slot_of; -1 wherever nothing lands.
+    arrays = torch.full((4, cap), -1, dtype=torch.int32, device=device)
+    seg_offsets = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
+    index = KVOuterIndex(
+        seg_offsets=seg_offsets,
+        entry_token=arrays[0],
+        entry_rank=arrays[1],
+        entry_segment=arrays[2],
+        slot_of=arrays[3].view(num_tokens, hkv, topk),
+        num_kv_heads=hkv,
+        max_blocks=max_blocks,
+        num_global_blocks=nbg,
+    )
+    if cap == 0 or batch == 0:
+        return index
+    (cu,) = contiguous(cu_seqlens_q)
+    chunk = chunk_tokens or chunk_tokens_for(num_tokens, batch, hkv, topk, max_blocks)
+    max_chunks = -(-num_tokens // chunk) + batch  # each sequence wastes at most one partial chunk
+    counts = torch.zeros(max_chunks * hkv * max_blocks, dtype=torch.int32, device=device)
+    totals = torch.empty(num_segments, dtype=torch.int32, device=device)
+    tk = next_pow2(topk)
+    bb = max(2, next_pow2(batch))
+    strides = selected.stride()
+    _chunk_rank_kernel[(max_chunks, hkv)](
+        selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb,
+        num_warps=4,
+    )  # fmt: skip
+    blk = min(SCAN_BLOCKS, next_pow2(max_blocks))
+    _chunk_scan_kernel[(triton.cdiv(max_blocks, blk), hkv, batch)](
+        cu, counts, totals, batch, hkv, max_blocks, C=chunk, BB=bb, BLK=blk, num_warps=4
+    )
+    torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
+    _scatter_kernel[(max_chunks, hkv)](
+        selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
+        batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb, num_warps=4,
+    )  # fmt: skip
+    return index
+
+
+__all__ = ["build_kvouter_index_triton", "chunk_tokens_for"]
