@@ -31,7 +31,12 @@ sys.path.insert(0, str(ROOT / "torch-ext"))
 from triton.testing import do_bench  # noqa: E402
 
 from m3_sparse.dense_attention import dense_paged_attention_torch  # noqa: E402
-from m3_sparse.triton_dense_attention import dense_paged_attention_triton  # noqa: E402
+from m3_sparse.triton_dense_attention import (  # noqa: E402
+    BLOCK_M,
+    _tile_tokens,
+    default_num_splits,
+    dense_paged_attention_triton,
+)
 from bench_kvouter import bench_slow  # noqa: E402
 
 HQ, HKV, D, PAGE = 64, 4, 128, 64
@@ -86,7 +91,7 @@ def check(p, out) -> float:
     return (num / den) ** 0.5
 
 
-def run(kind, batch, q_len, ctx, torch_max):
+def run(kind, batch, q_len, ctx, torch_max, splits=()):
     p = problem(batch, q_len, ctx)
     kw = dict(cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], softmax_scale=D**-0.5, causal=True, return_lse=False)
     flops = 4 * D * HQ * (q_len * ctx - q_len * (q_len - 1) / 2) * batch
@@ -97,6 +102,15 @@ def run(kind, batch, q_len, ctx, torch_max):
     tri = lambda: dense_paged_attention_triton(p["q"], p["k"], p["v"], p["bt"], max_seqlen_q=q_len, **kw)  # noqa: E731
     row["triton_err"] = check(p, tri()[0])
     row["triton_ms"] = timed(tri, slow)
+    tm = _tile_tokens(HQ // HKV, q_len, BLOCK_M)  # the launcher's query tile (G = 16 is a power of two)
+    row["splits"] = default_num_splits(batch * q_len, batch, HKV, tm, p["bt"].shape[1] * PAGE, p["q"].device)
+    for s in splits:  # the key-split sweep behind SPLIT_CONFIG
+        fn = lambda: dense_paged_attention_triton(  # noqa: E731
+            p["q"], p["k"], p["v"], p["bt"], max_seqlen_q=q_len, num_splits=s, **kw
+        )
+        err = check(p, fn()[0])
+        row[f"split{s}_ms"] = timed(fn, slow)
+        print(f"  {kind} {batch}x{ctx} splits={s}: {row[f'split{s}_ms']:.3f} ms (err {err:.1e})", flush=True)
     if q_len * ctx * batch <= torch_max:
         tor = lambda: dense_paged_attention_torch(p["q"], p["k"], p["v"], p["bt"], **kw)  # noqa: E731
         row["torch_err"] = check(p, tor()[0])
@@ -120,20 +134,32 @@ def main():
     ap.add_argument("--prefill", default="8192,32768,131072")
     ap.add_argument("--decode", default="32768,131072", help="contexts of the batch-32 decode")
     ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--splits", default="", help="key-split counts to time for the decode rows, e.g. 1,2,4,8,16")
     ap.add_argument("--torch-max", type=float, default=2**31, help="largest q_len*ctx*batch for the torch code")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows = [run("prefill", 1, n, n, args.torch_max) for n in map(int, filter(None, args.prefill.split(",")))]
-    rows += [run("decode", args.decode_batch, 1, c, args.torch_max) for c in map(int, filter(None, args.decode.split(",")))]
+    splits = [int(x) for x in args.splits.split(",") if x]
+    rows += [
+        run("decode", args.decode_batch, 1, c, args.torch_max, splits)
+        for c in map(int, filter(None, args.decode.split(",")))
+    ]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_dense.json").write_text(json.dumps(rows, indent=1))
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print("\n| case | floor ms | Triton ms | torch ms | cuDNN ms | flash ms | Triton err |")
+    print("\n| case | floor ms | Triton ms (splits) | torch ms | cuDNN ms | flash ms | Triton err |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         case = f"{r['kind']} {r['batch']}x{r['ctx']}"
-        print(f"| {case} | {f(r['floor_ms'])} | {f(r['triton_ms'])} | {f(r.get('torch_ms'))} | "
+        print(f"| {case} | {f(r['floor_ms'])} | {f(r['triton_ms'])} ({r['splits']}) | {f(r.get('torch_ms'))} | "
               f"{f(r.get('cudnn_ms'))} | {f(r.get('flash_ms'))} | {r['triton_err']:.1e} |")
+    if splits:
+        print("\n| decode case | " + " | ".join(f"S={s} ms" for s in splits) + " |")
+        print("|---|" + "---|" * len(splits))
+        for r in rows:
+            if r["kind"] == "decode":
+                cells = " | ".join(f(r.get(f"split{s}_ms")) for s in splits)
+                print(f"| {r['batch']}x{r['ctx']} | {cells} |")
 
 
 if __name__ == "__main__":

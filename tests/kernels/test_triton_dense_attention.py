@@ -161,3 +161,43 @@ def test_empty_query_batch():
     batch, q, k, v = _problem(2, [(20, 0), (5, 0)], 16, 4, 2, 16, torch.float32)
     out, lse = _run(batch, q, k, v, True)
     assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
+
+
+# Key splits: every tile's keys cut into S shares merged by LSE. More splits than key tiles
+# leave some splits empty (m = -inf, l = 0); rows before the first key see nothing in any.
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_key_splits(num_splits, causal):
+    batch, q, k, v = _problem(40 + num_splits, RAGGED, 16, 8, 2, 16, torch.bfloat16, pad=-1)
+    out, lse = _run(batch, q, k, v, causal, block_n=16, num_splits=num_splits)
+    _check(batch, q, k, v, causal, torch.bfloat16, out, lse)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_key_splits_decode_strided_no_lse(num_splits):
+    g = gen(9)
+    batch = make_batch(g, [(95, 1), (1, 1), (0, 1), (64, 1)], 16)
+    qkv = randn(g, batch.num_tokens, 12, 16)
+    q = qkv[:, :8]  # strided rows
+    k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
+    out, _ = _run(batch, q, k, v, True, return_lse=False, max_seqlen_q=1, num_splits=num_splits)
+    _check(batch, q, k, v, True, torch.float32, out, None, against_torch=False)
+
+
+def test_default_splits_follow_the_shapes():
+    cpu = torch.device("cpu")  # stands for a 4-SM device: 8 programs wanted
+    # Prefill fills the programs: no split.
+    assert tda.default_num_splits(4096, 1, 4, 1, 4096, cpu) == 1
+    # One decode token on 1 kv head: 8 splits, if the capacity has 8 x min_key_tiles key tiles.
+    tiles = tda.SPLIT_CONFIG["min_key_tiles"]
+    assert tda.default_num_splits(1, 1, 1, 1, 8 * tiles * tda.BLOCK_N, cpu) == 8
+    # A short capacity caps the splits (a power of two).
+    assert tda.default_num_splits(1, 1, 1, 1, 3 * tiles * tda.BLOCK_N, cpu) == 2
+    assert tda.default_num_splits(1, 1, 1, 1, 16, cpu) == 1
+
+
+def test_bad_num_splits():
+    batch, q, k, v = _problem(1, [(9, 2)], 16, 4, 2, 16, torch.float32)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="num_splits"):
+            _run(batch, q, k, v, True, num_splits=bad)

@@ -21,6 +21,13 @@ The grid is sized from host-known shapes: sequence ``b``'s tiles are numbered fr
 so ``Tq // TM + B`` programs cover every tile; a program finds its sequence by a
 binary search over ``cu_seqlens_q`` on the device and leaves if its tile holds no
 row. Nothing is read back to the host.
+
+Decode batches have few tiles (one token each), too few programs to keep every SM
+reading keys: the keys are then split over a third grid axis. Split ``s`` of ``S`` takes
+an equal contiguous share of the tile's key tiles (counted on the device from its
+limit), writes its raw (m, l, o) to an fp32 workspace in the layout of the decode
+kernel's splits, and ``triton_decode._decode_combine_kernel`` merges them by their max.
+``S`` comes from shapes only (``default_num_splits``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2
+from ._launch import contiguous, interpreting, next_pow2, num_sms
+from .triton_decode import COMBINE_ELEMS, MAX_SPLITS, _decode_combine_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -39,6 +47,9 @@ LOG2E = 1.4426950408889634
 # decode batch gets fewer tokens per tile (see _tile_tokens).
 BLOCK_M = 64
 BLOCK_N = 64
+# Key splits: enough (tile, kv head, split) programs for about `programs_per_sm` per SM,
+# each with at least `min_key_tiles` key tiles of the block table's capacity.
+SPLIT_CONFIG = {"programs_per_sm": 2, "min_key_tiles": 8}
 
 
 @triton.jit
@@ -102,6 +113,7 @@ def _dense_paged_attn_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    l_ptr,
     num_tokens,
     num_seqs,
     qk_scale,
@@ -117,10 +129,13 @@ def _dense_paged_attn_kernel(
     SEARCH_STEPS: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     BM: tl.constexpr = TM * GP
     pid = tl.program_id(0)
     g = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
     lo = pid * 0
@@ -160,6 +175,10 @@ def _dense_paged_attn_kernel(
     lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
     # Keys below every row's limit need no mask (and are all < kv_len: real pages).
     n_full = (lim_min // BN) * BN
+    # This split's share of the key tiles [0, cdiv(hi, BN)).
+    per_split = ((hi + BN - 1) // BN + num_splits - 1) // num_splits
+    k_lo = split * per_split * BN
+    k_hi = tl.minimum(k_lo + per_split * BN, hi)
 
     p_q = q_ptr + (tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
@@ -172,27 +191,35 @@ def _dense_paged_attn_kernel(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for start_n in range(0, n_full, BN):
+    for start_n in range(k_lo, tl.minimum(n_full, k_hi), BN):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
             BN, PS, False, PREC, UPCAST,
         )
-    for start_n in range(n_full, hi, BN):
+    for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
             BN, PS, True, PREC, UPCAST,
         )
 
-    empty = l_i == 0.0
-    b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, BD]
-    b_o = tl.where(empty[:, None], 0.0, b_o)
-    p_o = o_ptr + (tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if RETURN_LSE:
-        b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        tl.store(lse_ptr + head.to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+    if FINAL:
+        empty = l_i == 0.0
+        b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, BD]
+        b_o = tl.where(empty[:, None], 0.0, b_o)
+        p_o = o_ptr + (tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if RETURN_LSE:
+            b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            tl.store(lse_ptr + head.to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+    else:
+        # Workspace rows ((token * Hkv + g) * S + split) * G + r, as the decode kernel's splits;
+        # m stays in log2 units. A split past the keys stores m = -inf, l = 0.
+        ws_row = ((tok.to(tl.int64) * tl.num_programs(1) + g) * num_splits + split) * G + r_head  # [BM]
+        tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(l_ptr + ws_row, l_i, mask=row_ok)
 
 
 def _tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
@@ -200,6 +227,22 @@ def _tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
     and at least 16 rows (the smallest MMA M)."""
     tm = min(max(1, block_m // group_pad), next_pow2(max(1, max_q)))
     return max(tm, next_pow2(-(-16 // group_pad)))
+
+
+def default_num_splits(
+    num_tokens: int, batch: int, num_kv_heads: int, tile_tokens: int, capacity: int, device, block_n: int = BLOCK_N
+) -> int:
+    """Key splits per (query tile, kv head), from shapes only: 1 when the query tiles fill
+    the GPU (prefill), else a power of two up to ``MAX_SPLITS`` that brings the programs
+    to ``SPLIT_CONFIG["programs_per_sm"]`` per SM, keeping ``min_key_tiles`` key tiles of
+    the block-table capacity per split."""
+    tiles = max(-(-num_tokens // tile_tokens), min(batch, num_tokens), 1)
+    programs = tiles * num_kv_heads
+    target = num_sms(device, cpu_default=4) * SPLIT_CONFIG["programs_per_sm"]
+    if programs >= target:
+        return 1
+    most = max(1, min(MAX_SPLITS, -(-capacity // block_n) // SPLIT_CONFIG["min_key_tiles"]))
+    return max(1, min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1)))
 
 
 def dense_paged_attention_triton(
@@ -218,12 +261,15 @@ def dense_paged_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None).
 
     ``max_seqlen_q`` (host-known, an upper bound is enough) only shrinks the query
     tile for decode-like batches; results never depend on it. ``block_n`` must be a
-    power of two >= 16; it need not divide ``page_size``.
+    power of two >= 16; it need not divide ``page_size``. ``num_splits`` (1..MAX_SPLITS of
+    the decode kernel) splits every tile's keys; the default comes from the shapes.
+    Launch choices never change results beyond rounding.
     """
     block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
@@ -258,7 +304,22 @@ def dense_paged_attention_triton(
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
     upcast = interpreting() and q.dtype == torch.bfloat16
-    grid = (num_tokens // tm + batch, hkv)
+    if num_splits is None:
+        num_splits = default_num_splits(
+            num_tokens, batch, hkv, tm, block_tables.shape[1] * page_size, device, bn
+        )
+    num_splits = int(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {num_splits}")
+    final = num_splits == 1
+    if final:
+        o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+    else:
+        ws_rows = num_tokens * hkv * num_splits * group
+        o_buf = torch.empty(ws_rows, d, dtype=torch.float32, device=device)
+        m_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
+        l_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
+    grid = (num_tokens // tm + batch, hkv, num_splits)
     _dense_paged_attn_kernel[grid](
         q,
         k_cache,
@@ -266,8 +327,8 @@ def dense_paged_attention_triton(
         block_tables,
         cu_seqlens_q,
         used_kv_lens,
-        out,
-        lse if lse is not None else out,
+        o_buf,
+        m_buf,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -279,6 +340,7 @@ def dense_paged_attention_triton(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        l_buf,
         num_tokens,
         batch,
         float(softmax_scale) * LOG2E,
@@ -294,7 +356,28 @@ def dense_paged_attention_triton(
         SEARCH_STEPS=max(0, batch - 1).bit_length(),
         PREC="ieee" if q.dtype == torch.float32 or upcast else None,
         UPCAST=upcast,
+        FINAL=final,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if not final:
+        rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
+        _decode_combine_kernel[(num_tokens, triton.cdiv(hq, rb))](
+            o_buf,
+            m_buf,
+            l_buf,
+            out,
+            lse if lse is not None else out,
+            num_tokens,
+            hq,
+            out.stride(0),
+            out.stride(1),
+            S=num_splits,
+            G=group,
+            RB=rb,
+            D=d,
+            BD=bd,
+            RETURN_LSE=bool(return_lse),
+            num_warps=4,
+        )
     return out, lse
