@@ -4,10 +4,13 @@ length, and at 128K the effect of the workspace budget (query slices) on speed.
 
     python3 benchmarks/bench_long_prefill.py                      # 32K..512K + 128K budget sweep
     python3 benchmarks/bench_long_prefill.py --sizes 131072 --budgets 1,4,unbounded
+    python3 benchmarks/bench_long_prefill.py --fp8 --sizes 32768,131072 --budgets 4,unbounded
 
 Workload: Hq 64, Hkv 4, D 128, 4 index heads of dim 128, block 128, top-16, page 128, bf16,
 one causal prefill; index queries/keys random, so the selections are the index kernel's
-own (no hand-made pattern). Peak memory: ``torch.cuda.max_memory_allocated`` during the
+own (no hand-made pattern). ``--fp8`` adds the fp8 layer: q, K and V in e4m3 with per-tensor
+scales (KV-outer on fp8 inputs, bf16 partials and output) and e4m3 index keys with per-token
+scales read by the index kernel's fp8 MMA. Peak memory: ``torch.cuda.max_memory_allocated`` during the
 call minus what the inputs already held. Dense cuDNN causal attention of the same
 prompt is timed alongside up to --dense-max tokens. The last thing printed is a markdown table.
 """
@@ -50,20 +53,38 @@ def make_inputs(n: int, seed: int = 0):
     )
 
 
+def quantize_fp8(p):
+    """The fp8 layer's inputs: per-tensor e4m3 q/K/V, per-token e4m3 index keys."""
+    f8 = torch.float8_e4m3fn
+    out = dict(p)
+    for name in ("q", "k", "v"):
+        scale = p[name].abs().amax().float() / 448.0
+        out[name] = (p[name].float() / scale).to(f8)
+        out[f"{name}_scale"] = scale.reshape(1)
+    ik_scale = p["ik"].abs().amax(-1).float().clamp(min=1e-12) / 448.0  # [pages, PAGE]
+    out["ik"] = (p["ik"].float() / ik_scale[..., None]).to(f8)
+    out["ik_scale"] = ik_scale
+    return out
+
+
 def sparse_layer(p, budget):
+    fp8 = "q_scale" in p
     sel = m3_sparse.index_topk(
         p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
-        max_seqlen_q=p["q"].shape[0],
+        max_seqlen_q=p["q"].shape[0], **({"index_k_scale": p["ik_scale"], "fp8_dot": True} if fp8 else {}),
     )
+    scales = {f"{x}_scale": p[f"{x}_scale"] for x in ("q", "k", "v")} if fp8 else {}
     out, _ = m3_sparse.kvouter_attention(
         p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
-        max_workspace_bytes=budget,
+        max_workspace_bytes=budget, **scales,
     )
     return out
 
 
-def measure(n, budget, dense_max):
+def measure(n, budget, dense_max, fp8=False):
     p = make_inputs(n)
+    if fp8:
+        p = quantize_fp8(p)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -73,10 +94,10 @@ def measure(n, budget, dense_max):
     t = bench_slow(lambda: sparse_layer(p, budget))
     dense = None
     if n <= dense_max:
-        dense, _ = dense_cudnn({"q": p["q"], "n_seq": 1, "seq_len": n})
+        dense, _ = dense_cudnn({"q": make_inputs(n)["q"] if fp8 else p["q"], "n_seq": 1, "seq_len": n})
     del p
     torch.cuda.empty_cache()
-    return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense)
+    return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense, fp8=fp8)
 
 
 def profile(n, budgets, out_dir):
@@ -111,6 +132,7 @@ def main():
     ap.add_argument("--dense-max", type=int, default=131072)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true", help="only the kernel-time breakdown at 128K, 4 GiB vs unbounded")
+    ap.add_argument("--fp8", action="store_true", help="also run every row with fp8 q/K/V and fp8 index keys")
     args = ap.parse_args()
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -118,25 +140,28 @@ def main():
         return
     rows = []
     default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES
+    kinds = [False, True] if args.fp8 else [False]
     for n in [int(x) for x in args.sizes.split(",")]:
-        rows.append(measure(n, default, args.dense_max))
-        print(rows[-1], flush=True)
+        for fp8 in kinds:
+            rows.append(measure(n, default, args.dense_max, fp8))
+            print(rows[-1], flush=True)
     if 131072 in [int(x) for x in args.sizes.split(",")]:
         for b in args.budgets.split(","):
             budget = 1 << 50 if b == "unbounded" else int(float(b) * GIB)
             if budget == default:
                 continue
-            rows.append(measure(131072, budget, 0))
-            print(rows[-1], flush=True)
+            for fp8 in kinds:
+                rows.append(measure(131072, budget, 0, fp8))
+                print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_long_prefill.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n| tokens | workspace budget | index + attention ms | peak extra GiB | dense cuDNN ms | dense / sparse |")
-    print("|---|---|---|---|---|---|")
+    print("\n| tokens | inputs | workspace budget | index + attention ms | peak extra GiB | dense cuDNN ms | dense / sparse |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         b = "unbounded" if r["budget"] >= 1 << 49 else f"{r['budget'] / GIB:g} GiB"
         d = f"{r['dense_ms']:.1f}" if r["dense_ms"] else "-"
         ratio = f"{r['dense_ms'] / r['ms']:.1f}" if r["dense_ms"] else "-"
-        print(f"| {r['n']} | {b} | {r['ms']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
+        print(f"| {r['n']} | {'fp8' if r['fp8'] else 'bf16'} | {b} | {r['ms']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
 
 
 if __name__ == "__main__":

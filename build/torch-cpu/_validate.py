@@ -15,6 +15,7 @@ import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def debug_enabled() -> bool:
@@ -129,17 +130,48 @@ def check_selected_values(selected: torch.Tensor, max_blocks: int) -> None:
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 
 
-def check_kv(q, k_cache, v_cache, page_size):
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_kv(q, k_cache, v_cache, page_size, *, allow_fp8: bool = False):
+    """Shapes and dtypes of q [Tq, Hq, D] and the paged caches [pages, Hkv, page_size, D].
+
+    ``allow_fp8`` (KV-outer only): the caches may be float8_e4m3fn (both), and then q is
+    float8_e4m3fn, bfloat16 or float16; otherwise all three share one float dtype.
+    """
+    if not allow_fp8:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:
+                raise ValueError(
+                    f"{name}: float8_e4m3fn inputs are taken by kvouter_attention (and sparse_attention when it "
+                    "dispatches there); this op takes bfloat16, float16 or float32"
+                )
+    dtypes = FLOAT_DTYPES + FP8_DTYPES if allow_fp8 else FLOAT_DTYPES
+    check_tensor("q", q, ndim=3, dtypes=dtypes)
     device = q.device
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=dtypes, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=dtypes, device=device)
     if k_cache.shape != v_cache.shape:
         raise ValueError(
             f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)} "
             f"([pages, kv_heads, page_size, head_dim]), got {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    fp8_kv = k_cache.dtype in FP8_DTYPES, v_cache.dtype in FP8_DTYPES
+    if q.dtype in FP8_DTYPES and not all(fp8_kv):
+        raise ValueError(
+            f"q is float8_e4m3fn: k_cache and v_cache must be float8_e4m3fn too, got {_name(k_cache.dtype)} "
+            f"and {_name(v_cache.dtype)}"
+        )
+    if any(fp8_kv):
+        if not all(fp8_kv):
+            raise ValueError(
+                f"k_cache and v_cache must both be float8_e4m3fn or neither, got {_name(k_cache.dtype)} and "
+                f"{_name(v_cache.dtype)}"
+            )
+        if q.dtype not in FP8_DTYPES + (torch.bfloat16, torch.float16):
+            raise ValueError(f"q: with float8_e4m3fn caches q must be float8_e4m3fn, bfloat16 or float16, got {_name(q.dtype)}")
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(
             f"k_cache/v_cache: expected the dtype of q ({q.dtype}), got {k_cache.dtype} and {v_cache.dtype}"
         )
@@ -153,6 +185,53 @@ def check_kv(q, k_cache, v_cache, page_size):
         raise ValueError(f"page_size: expected k_cache.shape[2] = {page_size}, got shape {tuple(k_cache.shape)}")
     if k_cache.shape[2] not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"k_cache: page size {k_cache.shape[2]} is not supported; expected one of {SUPPORTED_PAGE_SIZES}")
+
+
+def check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype):
+    """Dequantization scales and output dtype of inputs checked by ``check_kv(allow_fp8=True)``.
+
+    A scale (``real = stored * scale``) belongs to a float8_e4m3fn tensor and defaults to 1;
+    it is a positive float or a one-element floating tensor on q's device (read by the
+    kernels, never by the host). Returns (scales, out_dtype): ``scales`` an fp32 tensor
+    [3] (q, k, v) on q's device, or None when no input is fp8; ``out_dtype`` the dtype of
+    the partials and the output (default: q's, bfloat16 for an fp8 q).
+    """
+    fp8_q, fp8_kv = q.dtype in FP8_DTYPES, k_cache.dtype in FP8_DTYPES
+    owners = (("q_scale", q_scale, fp8_q, "q"), ("k_scale", k_scale, fp8_kv, "k_cache"), ("v_scale", v_scale, fp8_kv, "v_cache"))
+    for name, s, fp8, owner in owners:
+        if s is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{name}: a dequantization scale of float8_e4m3fn {owner}, which is {_name(q.dtype if owner == 'q' else k_cache.dtype)} here")
+        if isinstance(s, torch.Tensor):
+            if s.numel() != 1:
+                raise ValueError(f"{name}: expected one value (a float or a one-element tensor), got shape {tuple(s.shape)}")
+            if not s.is_floating_point() or s.dtype in FP8_DTYPES:
+                raise ValueError(f"{name}: expected a floating tensor (float32, bfloat16, float16), got {_name(s.dtype)}")
+            if s.device != q.device:
+                raise ValueError(f"{name}: expected a tensor on {q.device}, got one on {s.device}")
+            if value_checks_enabled(s):
+                v = float(s.reshape(()))
+                if not math.isfinite(v) or v <= 0:
+                    raise ValueError(f"{name}: expected a positive finite float, got {v}")
+        elif isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"{name}: expected a positive finite float, got {s!r}")
+    if not fp8_q and not fp8_kv:
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype: only fp8 inputs take another output dtype; the output is q's {_name(q.dtype)}")
+        return None, q.dtype
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8_q else q.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of (bfloat16, float16, float32), got {out_dtype}")
+    scales = torch.empty(3, dtype=torch.float32, device=q.device)
+    for i, (_, s, _, _) in enumerate(owners):
+        # A fill / device copy per value: no host-to-device transfer, nothing to sync on.
+        if isinstance(s, torch.Tensor):
+            scales[i].copy_(s.reshape(()))
+        else:
+            scales[i].fill_(1.0 if s is None else float(s))
+    return scales, out_dtype
 
 
 def check_scale(softmax_scale, d):

@@ -63,6 +63,10 @@ def kvouter_attention_op(
     softmax_scale: float,
     causal: bool,
     block_size: int,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = kvouter_attention(
         q,
@@ -76,13 +80,20 @@ def kvouter_attention_op(
         causal=causal,
         block_size=block_size,
         return_lse=True,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out_dtype=out_dtype,
     )
     return out, lse
 
 
 @kvouter_attention_op.register_fake
-def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
+      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @custom_op(f"{NAMESPACE}::sparse_decode_attention", mutates_args=())

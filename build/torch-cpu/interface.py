@@ -16,6 +16,7 @@ from ._validate import (
     check_positive_int,
     check_scale,
     check_selected_values,
+    check_quant,
     check_tensor,
     check_varlen,
 )
@@ -27,11 +28,12 @@ from .kvouter_index import build_kvouter_index
 from .layout import chunk_varlen, token_positions
 
 def validate_kvouter(
-    q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
+    q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size,
+    *, allow_fp8=False,
 ):
-    """Checks of :func:`kvouter_attention` (shared with the Triton path). Returns
-    (batch size, blocks per sequence, softmax scale)."""
-    check_kv(q, k_cache, v_cache, page_size)
+    """Checks of :func:`kvouter_attention` (shared with the Triton path and the decode
+    kernel, which take no fp8). Returns (batch size, blocks per sequence, softmax scale)."""
+    check_kv(q, k_cache, v_cache, page_size, allow_fp8=allow_fp8)
     page_size = k_cache.shape[2]
     check_positive_int("block_size", block_size)
     check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES, device=q.device)
@@ -67,6 +69,10 @@ def kvouter_attention(
     block_size: int = 128,
     return_lse: bool = False,
     max_workspace_bytes: int | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, KV-outer.
 
@@ -81,17 +87,27 @@ def kvouter_attention(
     others the torch stages. The partial buffer is bounded by ``max_workspace_bytes``
     (default ``DEFAULT_WORKSPACE_BYTES``, 4 GiB): more query rows than fit run in
     slices of rows, so memory stays linear in the prompt with a fixed constant.
+
+    fp8: the caches may be float8_e4m3fn (both), q float8_e4m3fn or bfloat16/float16, each
+    fp8 tensor with a per-tensor dequantization scale ``q_scale`` / ``k_scale`` /
+    ``v_scale`` (``real = stored * scale``; a float or a one-element tensor on the device;
+    default 1). Q @ K^T runs on the fp8 values (fp8 tensor cores when q is fp8 too), P @ V
+    in ``out_dtype`` (default bfloat16 for an fp8 q, else q's dtype), which is also the
+    dtype of the partials and the output.
     """
     batch, max_blocks, scale = validate_kvouter(
-        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
+        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size,
+        allow_fp8=True,
     )
+    scales, out_dtype = check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype)
     if max_workspace_bytes is not None:
         check_positive_int("max_workspace_bytes", max_workspace_bytes)
     num_tokens, hq, d = q.shape
     triton = use_triton(q, kvouter_unsupported(q, k_cache, block_size, v_cache))
     budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
     slots = selected.shape[1] * selected.shape[2]
-    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, q.element_size(), budget)
+    partial_bytes = torch.empty((), dtype=out_dtype).element_size()
+    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, partial_bytes, budget)
     stage_args = dict(
         softmax_scale=scale,
         causal=causal,
@@ -99,13 +115,15 @@ def kvouter_attention(
         return_lse=return_lse,
         batch=batch,
         max_blocks=max_blocks,
+        scales=scales,
+        out_dtype=out_dtype,
     )
     if chunk >= num_tokens:
         run = _kvouter_triton if triton else _kvouter_torch
         return run(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, **stage_args)
     # Partials grow with the query rows (Tq * Hkv * topk * G * (2D + 8) bytes, 35 GB (33 GiB) for
     # 128K tokens of M3): run the query rows in slices that fit the workspace budget.
-    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=q.device) if return_lse else None
     if not causal:
         # A bidirectional row sees its whole sequence, so a slice keeps every kv length;
@@ -163,7 +181,7 @@ def _kvouter_triton(
 
 def _kvouter_torch(
     q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, *, softmax_scale, causal, block_size,
-    return_lse, batch, max_blocks,
+    return_lse, batch, max_blocks, scales=None, out_dtype=None,
 ):
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.
@@ -178,8 +196,10 @@ def _kvouter_torch(
         softmax_scale=softmax_scale,
         causal=causal,
         block_size=block_size,
+        scales=scales,
+        out_dtype=out_dtype,
     )
-    return combine(partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse)
+    return combine(partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype, return_lse=return_lse)
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_kv, check_positive_int, check_scale, check_varlen
+from ._validate import FP8_DTYPES, check_kv, check_positive_int, check_scale, check_varlen
 from .kvouter_index import KVOuterIndex
 from .layout import token_positions
 
@@ -23,7 +23,7 @@ ENTRY_CHUNK = 512
 
 
 def validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size):
-    check_kv(q, k_cache, v_cache, None)
+    check_kv(q, k_cache, v_cache, None, allow_fp8=True)
     if not isinstance(index, KVOuterIndex):
         raise TypeError(f"index: expected a KVOuterIndex from build_kvouter_index, got {type(index).__name__}")
     expected = (q.shape[0], k_cache.shape[1])
@@ -67,16 +67,28 @@ def kvouter_partials(
     softmax_scale: float,
     causal: bool = True,
     block_size: int = 128,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32)."""
+    """Returns (partial_o [E, G, D] in ``out_dtype`` (default q's), partial_m [E, G] fp32,
+    partial_l [E, G] fp32).
+
+    ``scales``: fp32 [3] dequantization scales of q, k, v (fp8 inputs; see
+    ``_validate.check_quant``), or None. As on the GPU, P is rounded to ``out_dtype``
+    before P @ V when the inputs are fp8.
+    """
     validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size)
+    if scales is None and any(t.dtype in FP8_DTYPES for t in (q, k_cache)):
+        raise ValueError("scales: fp8 inputs need their dequantization scales (see kvouter_attention)")
+    out_dtype = out_dtype or q.dtype
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     page_size = k_cache.shape[2]
     group = hq // hkv
     cap = index.capacity
     device = q.device
-    partial_o = torch.empty(cap, group, d, dtype=q.dtype, device=device)
+    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
+    sq, sk, sv = (None, None, None) if scales is None else scales.to(device=device, dtype=torch.float32).unbind()
     partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
     partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
     if cap == 0:
@@ -111,14 +123,18 @@ def kvouter_partials(
         v = v_cache[page, g[:, None], slot].float().masked_fill(~visible[..., None], 0.0)  # [C, B, D]
         heads = g[:, None] * group + torch.arange(group, device=device)[None, :]
         b_q = q[tok_c[:, None], heads].float()  # [C, G, D]
+        if scales is not None:
+            b_q, k, v = b_q * sq, k * sk, v * sv
         s = torch.einsum("cgd,cbd->cgb", b_q, k) * softmax_scale  # [C, G, B]
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m = s.amax(-1)  # [C, G]
         empty = m == float("-inf")
         p = torch.exp(s - torch.where(empty, 0.0, m)[..., None])  # [C, G, B]
         l = p.sum(-1)
+        if scales is not None:
+            p = p.to(out_dtype).float()
         o = torch.einsum("cgb,cbd->cgd", p, v)
-        partial_o[e0:e1] = o.to(q.dtype)
+        partial_o[e0:e1] = o.to(out_dtype)
         partial_m[e0:e1] = m
         partial_l[e0:e1] = l
     return partial_o, partial_m, partial_l

@@ -19,6 +19,12 @@ consecutive entries of it):
   partial buffer, so the tile's output is one contiguous store.
 
 Partial offsets are 64-bit: at 32K+ tokens the buffer holds more than 2^31 elements.
+
+fp8 (e4m3) inputs: Q @ K^T runs on the stored fp8 values (an fp8 x fp8 MMA when q is fp8,
+else K widened to q's dtype) and the dequantization scales fold into the softmax scale.
+P @ V runs in the partial dtype with V widened in registers (exact for e4m3), then times
+v_scale: fp8 halves the K/V bytes read, while P keeps bf16/fp16 precision instead of e4m3's
+three mantissa bits, and V needs no K-major copy for an fp8 MMA.
 """
 
 from __future__ import annotations
@@ -107,9 +113,9 @@ def _tile_attend(
     q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
     seg, e0, e1, tok, page, kv_len, pos_base,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-    nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
+    nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One tile: gather its queries, read its K/V block once, one softmax step, store."""
     g = seg // nbg
@@ -129,9 +135,12 @@ def _tile_attend(
     b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
     b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
 
+    PV_DT: tl.constexpr = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
     if UPCAST:
         b_q = b_q.to(tl.float32)
         b_k = b_k.to(tl.float32)
+    elif KV_FP8 and not Q_FP8:
+        b_k = b_k.to(b_q.dtype)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok
@@ -149,9 +158,11 @@ def _tile_attend(
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
     b_l = tl.sum(b_p, 1)  # [BM]
     if UPCAST:
-        b_o = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+        b_o = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
     else:
-        b_o = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
+        b_o = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [BM, BD]
+    if KV_FP8:
+        b_o = b_o * v_scale
 
     # Rows e * G + h of consecutive entries are consecutive rows of the buffer.
     o_row = e_row.to(tl.int64) * G + r_head
@@ -193,6 +204,7 @@ def _kvouter_partials_kernel(
     capacity_rows,
     num_programs,
     qk_scale,
+    scale_ptr,
     G: tl.constexpr,
     GP: tl.constexpr,
     TQ: tl.constexpr,
@@ -205,9 +217,18 @@ def _kvouter_partials_kernel(
     UPCAST: tl.constexpr,
     PREFETCH: tl.constexpr,
     FILL: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BM: tl.constexpr = TQ * GP
     pid = tl.program_id(0)
+    # Dequantization scales (q, k, v) of fp8 inputs, read on the device.
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr + 1)
+        v_scale = tl.load(scale_ptr + 2)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BS)
@@ -238,8 +259,8 @@ def _kvouter_partials_kernel(
                 q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-                nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST,
+                nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, Q_FP8, KV_FP8,
             )
             seg, e0, e1 = n_seg, n_e0, n_e1
             tok, page, kv_len, pos_base = n_tok, n_page, n_kv_len, n_pos_base
@@ -257,8 +278,8 @@ def _kvouter_partials_kernel(
                 q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-                nbg, max_blocks, qk_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST,
+                nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, Q_FP8, KV_FP8,
             )
 
     # Unused entries (past seg_offsets[-1]) belong to no tile: the programs clear them
@@ -294,8 +315,11 @@ def kvouter_partials_triton(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     prefetch: bool | None = None,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (partial_o [E, G, D] in q's dtype, partial_m [E, G] fp32, partial_l [E, G] fp32).
+    """Returns (partial_o [E, G, D] in ``out_dtype`` (default q's), partial_m [E, G] fp32,
+    partial_l [E, G] fp32). ``scales``: fp32 [3] (q, k, v) for fp8 inputs (``_validate.check_quant``).
 
     ``sched`` must come from ``schedule(index, tile_q=..., num_programs=...)``; its
     ``tile_q`` may be anything up to ``2 * TILE_ROWS // GP`` (smaller tiles are padded).
@@ -316,7 +340,12 @@ def kvouter_partials_triton(
     tq = next_pow2(max(sched.tile_q, -(-16 // gp)))
     if tq * gp > 2 * TILE_ROWS:
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
-    partial_o = torch.empty(cap, group, d, dtype=q.dtype, device=device)
+    fp8 = torch.float8_e4m3fn
+    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
+    if (q_fp8 or kv_fp8) and scales is None:
+        raise ValueError("scales: fp8 inputs need their dequantization scales (see kvouter_attention)")
+    out_dtype = out_dtype or q.dtype
+    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
     partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
     partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
     if cap == 0:
@@ -333,7 +362,7 @@ def kvouter_partials_triton(
     extra = {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     grid = (sched.num_programs,)
     _kvouter_partials_kernel[grid](
         q,
@@ -366,6 +395,7 @@ def kvouter_partials_triton(
         cap * group,
         sched.num_programs,
         float(softmax_scale) * LOG2E,
+        scales if scales is not None else partial_m,
         G=group,
         GP=gp,
         TQ=tq,
@@ -378,6 +408,8 @@ def kvouter_partials_triton(
         UPCAST=upcast,
         PREFETCH=bool(prefetch),
         FILL=FILL_ROWS,
+        Q_FP8=q_fp8,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **extra,
@@ -432,7 +464,7 @@ def kvouter_attention_triton(
 
 def run_kvouter_triton(
     q, k_cache, v_cache, selected, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
-    return_lse, batch, max_blocks, tile_q=None, num_programs=None, out=None, lse=None,
+    return_lse, batch, max_blocks, tile_q=None, num_programs=None, out=None, lse=None, scales=None, out_dtype=None,
 ):
     """The stages of :func:`kvouter_attention_triton` on arguments already checked by
     ``interface.validate_kvouter`` (whose batch size, blocks per sequence and scale it takes)."""
@@ -457,7 +489,10 @@ def run_kvouter_triton(
         softmax_scale=softmax_scale,
         causal=causal,
         block_size=block_size,
+        scales=scales,
+        out_dtype=out_dtype,
     )
     return combine_triton(
-        partial_o, partial_m, partial_l, index.slot_of, out_dtype=q.dtype, return_lse=return_lse, out=out, lse=lse
+        partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype or q.dtype, return_lse=return_lse, out=out,
+        lse=lse,
     )

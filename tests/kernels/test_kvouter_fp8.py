@@ -1,0 +1,208 @@
+"""KV-outer attention on fp8 (e4m3) inputs: q and/or the K/V caches in float8_e4m3fn with
+per-tensor dequantization scales, partials and output in bf16/fp16.
+
+The oracle is the float64 reference on the dequantized inputs (``x.float() * scale``), so
+only the implementation's own rounding counts: P rounded to the partial dtype before P @ V,
+partials and output stored in bf16/fp16. Both implementations run: the torch stages and the
+Triton kernels (natively on CUDA, in Triton's interpreter on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+import m3_sparse  # noqa: E402
+from kernel_test_utils import (  # noqa: E402
+    TOLERANCES,
+    assert_close,
+    gen,
+    is_poisoned,
+    kernel_module,
+    make_batch,
+    poisoned_allocations,
+    randn,
+    random_selection,
+)
+from m3_sparse.reference import sparse_attention_ref  # noqa: E402
+
+kernel_module("m3_sparse.triton_kvouter")
+kernel_module("m3_sparse.triton_combine")
+
+FP8 = torch.float8_e4m3fn
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+SCALE = 0.25
+LSE_TOL = TOLERANCES[torch.float32]
+# The oracle sees the dequantized values exactly; P @ V in bf16 and bf16 partials add a few
+# bf16 roundings on top of a plain bf16 run.
+FP8_TOL = {torch.bfloat16: 2 * TOLERANCES[torch.bfloat16], torch.float16: 2 * TOLERANCES[torch.float16]}
+SEQS = [(150, 150), (70, 9), (33, 1), (0, 2), (129, 4)]
+
+
+def quantize(x: torch.Tensor, amax: float | None = None) -> tuple[torch.Tensor, float]:
+    """Per-tensor e4m3 with scale = amax / 448 over the finite values (garbage slots of a
+    cache become NaN or huge: never read by a correct kernel)."""
+    finite = x[torch.isfinite(x) & (x.abs() < 100)]
+    scale = float(finite.abs().max()) / 448.0 if amax is None else amax / 448.0
+    return (x / scale).to(FP8), scale
+
+
+def problem(seed, page_size=16, hq=8, hkv=2, d=32, topk=4, block_size=16, causal=True):
+    g = gen(seed)
+    batch = make_batch(g, SEQS, page_size)
+    q = randn(g, batch.num_tokens, hq, d)
+    k = batch.kv_cache(g, hkv, d)
+    v = batch.kv_cache(g, hkv, d)
+    sel = random_selection(g, batch, hkv, topk, block_size, causal=causal)
+    return batch, q, k, v, sel
+
+
+def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, **kw):
+    monkeypatch.setenv("M3_SPARSE_IMPL", impl)
+    args = [x.to(DEVICE) for x in (q, k, v, sel, batch.block_tables)]
+    with poisoned_allocations():
+        out, lse = m3_sparse.kvouter_attention(
+            *args,
+            cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE),
+            used_kv_lens=batch.used_kv_lens.to(DEVICE),
+            softmax_scale=SCALE,
+            causal=causal,
+            block_size=block_size,
+            return_lse=True,
+            **kw,
+        )
+    assert not is_poisoned(out).any() and not is_poisoned(lse).any()
+    return out.cpu(), lse.cpu()
+
+
+def oracle(batch, q, k, v, sel, causal=True, block_size=16):
+    return sparse_attention_ref(
+        q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal, block_size
+    )
+
+
+IMPLS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("fp8_q", [True, False], ids=["q8", "q16"])
+def test_fp8_caches(impl, causal, fp8_q, monkeypatch):
+    batch, q, k, v, sel = problem(3 + int(causal) + 2 * int(fp8_q), causal=causal)
+    k8, ks = quantize(k)
+    v8, vs = quantize(v)
+    if fp8_q:
+        q_in, qs = quantize(q)
+        q_ref = q_in.float() * qs
+        extra = {"q_scale": qs}
+    else:
+        q_in, q_ref, extra = q.to(torch.bfloat16), q.to(torch.bfloat16).float(), {}
+    out, lse = run(batch, q_in, k8, v8, sel, impl, monkeypatch, causal=causal, k_scale=ks, v_scale=vs, **extra)
+    assert out.dtype == torch.bfloat16
+    ref_o, ref_lse = oracle(batch, q_ref, k8.float() * ks, v8.float() * vs, sel, causal)
+    assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, LSE_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tensor_scales_fp16_output_and_slices(impl, monkeypatch):
+    # Scales as one-element device tensors (what a quantizer computes without a sync), an
+    # fp16 output, and a workspace budget small enough that the rows run in slices.
+    batch, q, k, v, sel = problem(11, page_size=64, topk=3)
+    q8, qs = quantize(q)
+    k8, ks = quantize(k)
+    v8, vs = quantize(v)
+    scales = {n: torch.tensor([s], dtype=torch.float32, device=DEVICE) for n, s in (("q", qs), ("k", ks), ("v", vs))}
+    out, lse = run(
+        batch, q8, k8, v8, sel, impl, monkeypatch,
+        q_scale=scales["q"], k_scale=scales["k"].view(()), v_scale=scales["v"],
+        out_dtype=torch.float16, max_workspace_bytes=4096,
+    )  # fmt: skip
+    assert out.dtype == torch.float16
+    ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel)
+    assert_close("out", ref_o, out, FP8_TOL[torch.float16])
+    assert_close("lse", ref_lse, lse, LSE_TOL)
+
+
+def test_torch_and_triton_agree(monkeypatch):
+    batch, q, k, v, sel = problem(5)
+    q8, qs = quantize(q)
+    k8, ks = quantize(k)
+    v8, vs = quantize(v)
+    kw = dict(q_scale=qs, k_scale=ks, v_scale=vs)
+    o_t, l_t = run(batch, q8, k8, v8, sel, "torch", monkeypatch, **kw)
+    o_k, l_k = run(batch, q8, k8, v8, sel, "triton", monkeypatch, **kw)
+    assert_close("triton vs torch", o_t.float(), o_k.float(), 2 * FP8_TOL[torch.bfloat16])
+    assert_close("lse triton vs torch", l_t, l_k, LSE_TOL)
+
+
+def test_default_scales_are_one(monkeypatch):
+    batch, q, k, v, sel = problem(8)
+    q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))  # garbage slots saturate: never read
+    out, lse = run(batch, q8, k8, v8, sel, "torch", monkeypatch)
+    ref_o, ref_lse = oracle(batch, q8.float(), k8.float(), v8.float(), sel)
+    assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, LSE_TOL)
+
+
+def test_custom_op_fake_has_the_output_dtype():
+    batch, q, k, v, sel = problem(2)
+    q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(x) for x in (q8, k8, v8, sel, batch.block_tables, batch.cu_seqlens_q,
+                                              batch.used_kv_lens)]  # fmt: skip
+        out, lse = m3_sparse.ops.kvouter_attention(*args, SCALE, True, 16, None, None, None, torch.float16)
+    assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+
+
+def bad_calls():
+    batch, q, k, v, sel = problem(1)
+    q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))
+    bf = torch.bfloat16
+    base = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens, block_size=16)
+    bt = batch.block_tables
+    return [
+        ((q8, k.to(bf), v.to(bf), sel, bt), {}, "q is float8_e4m3fn: k_cache and v_cache must be float8_e4m3fn too"),
+        ((q.to(bf), k8, v.to(bf), sel, bt), {}, "k_cache and v_cache must both be float8_e4m3fn"),
+        ((q, k8, v8, sel, bt), {}, "q: with float8_e4m3fn caches q must be float8_e4m3fn, bfloat16 or float16"),
+        ((q.to(bf), k.to(bf), v.to(bf), sel, bt), {"k_scale": 0.5}, "k_scale: a dequantization scale of float8"),
+        ((q.to(bf), k8, v8, sel, bt), {"q_scale": 0.5}, "q_scale: a dequantization scale of float8"),
+        ((q8, k8, v8, sel, bt), {"q_scale": -1.0}, "q_scale: expected a positive finite float"),
+        ((q8, k8, v8, sel, bt), {"k_scale": float("nan")}, "k_scale: expected a positive finite float"),
+        ((q8, k8, v8, sel, bt), {"v_scale": torch.ones(2)}, "v_scale: expected one value"),
+        ((q8, k8, v8, sel, bt), {"v_scale": torch.ones(1, dtype=torch.int32)}, "v_scale: expected a floating"),
+        ((q8, k8, v8, sel, bt), {"out_dtype": torch.int8}, "out_dtype: expected one of"),
+        ((q.to(bf), k.to(bf), v.to(bf), sel, bt), {"out_dtype": torch.float16}, "out_dtype: only fp8 inputs"),
+    ], base
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_errors(case):
+    calls, base = bad_calls()
+    args, kw, match = calls[case]
+    with pytest.raises(ValueError, match=match):
+        m3_sparse.kvouter_attention(*args, **base, **kw)
+
+
+def test_other_ops_refuse_fp8_by_name():
+    batch, q, k, v, sel = problem(4)
+    q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))
+    kw = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens)
+    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
+        m3_sparse.sparse_decode_attention(q8, k8, v8, sel, batch.block_tables, **kw, block_size=16)
+    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
+        m3_sparse.dense_paged_attention(q8, k8, v8, batch.block_tables, **kw)
+    # The dispatcher hands few query rows to the decode kernel, which refuses fp8 by name,
+    # and many rows to KV-outer, which takes them.
+    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
+        m3_sparse.sparse_attention(q8, k8, v8, sel, batch.block_tables, **kw, block_size=16, max_seqlen_q=1)
