@@ -261,6 +261,17 @@ def case_kvouter(torch, m3, g):
             got = with_impl("triton", m3.kvouter_attention, q, k, v, sel, batch.block_tables, **kw,
                             max_workspace_bytes=8 * hkv * topk * (hq // hkv) * (d * q.element_size() + 8))
             _compare(torch, results, label + " sliced", got, ref, dtype)
+    if "k_scale" in inspect.signature(m3.kvouter_attention).parameters:
+        # fp8 q/K/V with per-tensor scales (bf16 partials and output), also in slices.
+        f8 = torch.float8_e4m3fn
+        batch, q, k, v = _kv_problem(torch, g, seqs, 64, torch.float32, 32, 2, 128)
+        sel = selection(torch, g, batch, 2, 16, 128).to(DEVICE)
+        q8, k8, v8 = ((x / 0.02).to(f8) for x in (q, k, v))
+        kw = dict(**batch.kw(), block_size=128, return_lse=True, q_scale=0.02, k_scale=0.02, v_scale=0.02)
+        ref = with_impl("torch", m3.kvouter_attention, q8, k8, v8, sel, batch.block_tables, **kw)
+        for label, extra in (("fp8 q/K/V", {}), ("fp8 q/K/V sliced", {"max_workspace_bytes": 8 * 2 * 16 * 16 * 264})):
+            got = with_impl("triton", m3.kvouter_attention, q8, k8, v8, sel, batch.block_tables, **kw, **extra)
+            _compare(torch, results, label, got, ref, torch.bfloat16)
     # Nothing selected at all: every partial row is the unused tail the programs clear.
     batch, q, k, v = _kv_problem(torch, g, [(40, 5), (7, 2)], 16, torch.bfloat16, 8, 2, 64)
     empty = torch.full((batch.num_tokens, 2, 4), -1, dtype=torch.int32, device=DEVICE)
@@ -287,6 +298,15 @@ def case_dense(torch, m3, g):
         got = with_impl("triton", m3.dense_paged_attention, q, k, v, batch.block_tables, **kw)
         label = f"{str(dtype)[6:]} G{hq // hkv} D{d} page {page}{'' if causal else ' non-causal'}"
         _compare(torch, results, label, got, ref, dtype)
+        tda = getattr(m3, "triton_dense_attention", None)
+        if tda is not None and hasattr(tda, "default_num_splits"):
+            # Key splits (decode's path) written to the workspace and merged: forced here,
+            # since these short caches would get one split by default.
+            for splits in (3, 8):
+                got = tda.dense_paged_attention_triton(
+                    q, k, v, batch.block_tables, **kw, softmax_scale=None, block_n=16, num_splits=splits
+                )
+                _compare(torch, results, f"{label} {splits} key splits", got, ref, dtype)
     return results
 
 
