@@ -258,7 +258,8 @@ def build_kvouter_index_triton(
     )
     if cap == 0 or batch == 0:
         return index
-    (cu,) = contiguous(cu_seqlens_q)
+    # int32 offsets (the entry count is checked below 2^31): every loop bound is one type.
+    (cu,) = contiguous(cu_seqlens_q.to(torch.int32))
     chunk = chunk_tokens or chunk_tokens_for(num_tokens, batch, hkv, topk, max_blocks)
     max_chunks = -(-num_tokens // chunk) + batch  # each sequence wastes at most one partial chunk
     counts = torch.zeros(max_chunks * hkv * max_blocks, dtype=torch.int32, device=device)
