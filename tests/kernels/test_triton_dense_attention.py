@@ -201,3 +201,24 @@ def test_bad_num_splits():
     for bad in (0, 65):
         with pytest.raises(ValueError, match="num_splits"):
             _run(batch, q, k, v, True, num_splits=bad)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="M3 decode sizes need the GPU")
+def test_m3_decode_key_splits_agree():
+    # Batch 8 of one token over 8K contexts at M3's heads: the default split count (several
+    # on a GPU), one split, and the torch code agree.
+    seqs = [(8192 - 300 * i, 1) for i in range(8)]
+    batch, q, k, v = _problem(99, seqs, 64, 64, 4, 128, torch.bfloat16)
+    kw = dict(max_seqlen_q=1)
+    split = tda.default_num_splits(8, 8, 4, 1, batch.capacity, DEVICE)
+    assert split > 1
+    out_s, lse_s = _run(batch, q, k, v, True, **kw)
+    out_1, lse_1 = _run(batch, q, k, v, True, num_splits=1, **kw)
+    t_o, t_lse = dense_paged_attention_torch(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), batch.block_tables.to(DEVICE),
+        cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE),
+        softmax_scale=SCALE, causal=True, return_lse=True,
+    )  # fmt: skip
+    for name, o, l in (("default splits", out_s, lse_s), ("one split", out_1, lse_1)):
+        assert_close(f"{name} vs torch", t_o.cpu(), o, 2 * TOLERANCES[torch.bfloat16])
+        assert_close(f"{name} lse vs torch", t_lse.cpu(), l, LSE_TOL)
