@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU verification in one go: the whole test suite on the GPU, then the benchmarks named on
+# the command line, each under its own time limit, logs in $OUT (default ./out/gpu_check) and
+# a summary table printed last.
+#
+#   bash scripts/gpu_check.sh                         # tests only
+#   bash scripts/gpu_check.sh kvouter dense:"--prefill '' --splits 1,2,4,8,16" long:"--fp8 --sizes 131072"
+#
+# Steps after the tests: NAME or NAME:"extra args", NAME one of kvouter, index, decode, dense,
+# long, generate, sanitize (benchmarks/bench_NAME.py; long = bench_long_prefill.py, sanitize =
+# benchmarks/sanitize.py). Wheels in ./.whl (an offline machine's copy of kernels and
+# hypothesis) are installed first when present. Environment: TEST_TIMEOUT (s, default 480),
+# STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default 8; needs pytest-xdist).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}/gpu_check"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+PY="${PYTHON:-python3}"
+
+if [[ -d .whl ]]; then
+    "$PY" -m pip install -q --no-index --find-links .whl kernels hypothesis >"$OUT/pip.log" 2>&1 \
+        || echo "gpu_check: installing from .whl failed (see pip.log)" >&2
+fi
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import torch, triton, transformers
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | transformers {transformers.__version__}")
+EOF
+
+summary=()
+run_step() {  # name, timeout, command...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    [[ $rc == 124 ]] && verdict="timed out after ${limit}s"
+    [[ $rc != 0 && $rc != 124 ]] && verdict="failed (rc $rc)"
+    summary+=("| $name | $verdict | $((SECONDS - start)) s | $(tail -n 1 "$OUT/$name.log" | cut -c1-90) |")
+}
+
+workers=()
+[[ "${PYTEST_WORKERS:-8}" != 0 ]] && workers=(-n "${PYTEST_WORKERS:-8}")
+run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rfE --tb=short tests
+
+for spec in "$@"; do
+    name=${spec%%:*}
+    extra=""
+    [[ "$spec" == *:* ]] && extra=${spec#*:}
+    case "$name" in
+        long) script=benchmarks/bench_long_prefill.py ;;
+        sanitize) script=benchmarks/sanitize.py ;;
+        kvouter | index | decode | dense | generate | tp) script=benchmarks/bench_$name.py ;;
+        *) summary+=("| $name | unknown step | - | - |"); continue ;;
+    esac
+    eval "args=($extra)"
+    run_step "$name" "${STEP_TIMEOUT:-300}" "$PY" "$script" --out "$OUT/$name" "${args[@]}"
+done
+
+echo
+echo "| step | result | time | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${summary[@]}"
