@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_896624e1b8"
+NAMESPACE = "_m3_sparse_cpu_480f704e9b"
 
 ops = getattr(torch.ops, NAMESPACE)
 

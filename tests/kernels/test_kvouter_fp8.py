@@ -206,3 +206,16 @@ def test_other_ops_refuse_fp8_by_name():
     # and many rows to KV-outer, which takes them.
     with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
         m3_sparse.sparse_attention(q8, k8, v8, sel, batch.block_tables, **kw, block_size=16, max_seqlen_q=1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_q_with_a_head_dim_below_the_fp8_mma_depth(impl, monkeypatch):
+    # D = 16 < 32 (the K of an fp8 MMA): the kernel pads the head-dim tile, masked.
+    batch, q, k, v, sel = problem(21, d=16)
+    q8, qs = quantize(q)
+    k8, ks = quantize(k)
+    v8, vs = quantize(v)
+    out, lse = run(batch, q8, k8, v8, sel, impl, monkeypatch, q_scale=qs, k_scale=ks, v_scale=vs)
+    ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel)
+    assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, LSE_TOL)

@@ -135,7 +135,7 @@ def _tile_attend(
     b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
     b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
 
-    PV_DT: tl.constexpr = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
+    pv_dt = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
     if UPCAST:
         b_q = b_q.to(tl.float32)
         b_k = b_k.to(tl.float32)
@@ -158,9 +158,9 @@ def _tile_attend(
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
     b_l = tl.sum(b_p, 1)  # [BM]
     if UPCAST:
-        b_o = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+        b_o = tl.dot(b_p.to(pv_dt).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
     else:
-        b_o = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [BM, BD]
+        b_o = tl.dot(b_p.to(pv_dt), b_v.to(pv_dt), input_precision=PREC)  # [BM, BD]
     if KV_FP8:
         b_o = b_o * v_scale
 
@@ -350,7 +350,8 @@ def kvouter_partials_triton(
     partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
     if cap == 0:
         return partial_o, partial_m, partial_l
-    bd = max(16, next_pow2(d))
+    # An fp8 MMA reduces over at least 32 elements: pad the head dim's tile (masked) to 32.
+    bd = max(32 if q_fp8 else 16, next_pow2(d))
     if num_warps is None:
         num_warps = ATTN_CONFIG["num_warps"] if tq * gp == ATTN_CONFIG["tile_rows"] else (8 if tq * gp >= 128 else 4)
     if num_stages is None:
