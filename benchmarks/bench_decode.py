@@ -286,6 +286,23 @@ def kernel_call(p: dict, **launch):
     )
 
 
+def fp8_problem(p: dict) -> dict:
+    """The same problem with K/V in e4m3 and per-tensor scales (q stays bf16)."""
+    out = dict(p)
+    for name in ("k", "v"):
+        scale = p[name].abs().amax().float() / 448.0
+        out[name] = (p[name].float() / scale).to(torch.float8_e4m3fn)
+        out[f"{name}_scale"] = scale.reshape(1)
+    return out
+
+
+def decode_fp8_call(p: dict, return_lse: bool = False):
+    return lambda: m3_sparse.sparse_decode_attention(  # noqa: E731
+        p["q"], p["k"], p["v"], p["sel"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
+        return_lse=return_lse, k_scale=p["k_scale"], v_scale=p["v_scale"],
+    )
+
+
 def kvouter_call(p: dict, return_lse: bool = False):
     return lambda: m3_sparse.kvouter_attention(  # noqa: E731
         p["q"], p["k"], p["v"], p["sel"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
@@ -378,6 +395,17 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
     r["kvouter_graph"] = bench_kvouter_graph(kvouter_call(p))
     if args.dense:
         r["dense"], r["dense_backend"] = dense_sdpa(p, pool.ctx)
+    if args.fp8:
+        # fp8 K/V: half the K/V bytes; the error is against the bf16 inputs (quantization included).
+        p8 = fp8_problem(p)
+        out, lse = decode_fp8_call(p8, True)()
+        r["err_fp8"] = check(p, out, lse)
+        del out, lse
+        r["decode_fp8_graph"] = bench_graph(decode_fp8_call(p8))
+        r["floor_fp8"] = (st["keys"] * D * 2 + 2 * p["q"].numel() * 2) / PEAK_BYTES * 1e6
+        log(f"  (a) fp8 K/V: decode {r['decode_fp8_graph']:.1f} us graph | floor {r['floor_fp8']:.1f} us | "
+            f"err vs bf16 inputs {r['err_fp8']:.1e}")
+        del p8
     log(
         f"  (a) ctx {pool.ctx} page {pool.page} B {p['b']}: decode {r['decode_eager']:.1f} eager / "
         f"{r['decode_graph']:.1f} graph ({r['decode_default_graph']:.1f} default config, {r['splits']} splits) | "
@@ -445,6 +473,15 @@ def table_a(rows: list[dict]) -> str:
             f"{r['decode_graph'] / r['floor']:.2f} | {fmt(kvg / r['decode_graph'] if kvg else None, 2)} | "
             f"{max(r['err_decode'], r['err_kvouter']):.1e} |"
         )
+    fp8 = [r for r in rows if "decode_fp8_graph" in r]
+    if fp8:
+        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | fp8 floor us | / floor | err vs bf16 inputs |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in fp8:
+            lines.append(
+                f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | {fmt(r['floor_fp8'])} | "
+                f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['err_fp8']:.1e} |"
+            )
     return "\n".join(lines)
 
 
@@ -464,6 +501,15 @@ def table_b(rows: list[dict]) -> str:
             f"{r['splits']} | {fmt(r['kvouter_eager'])} | {fmt(kvg)} | {fmt(r['floor'])} | {win_e} | {win_g} | "
             f"{max(r['err_decode'], r['err_kvouter']):.1e} |"
         )
+    fp8 = [r for r in rows if "decode_fp8_graph" in r]
+    if fp8:
+        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | fp8 floor us | / floor | err vs bf16 inputs |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in fp8:
+            lines.append(
+                f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | {fmt(r['floor_fp8'])} | "
+                f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['err_fp8']:.1e} |"
+            )
     return "\n".join(lines)
 
 
@@ -503,6 +549,7 @@ def main():
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="keep DECODE_CONFIG, skip the sweep")
     ap.add_argument("--no-dense", dest="dense", action="store_false", help="skip dense SDPA")
     ap.add_argument("--no-crossover", dest="crossover", action="store_false", help="skip (b)")
+    ap.add_argument("--fp8", action="store_true", help="(a) also times the decode kernel on e4m3 K/V")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -137,15 +137,16 @@ def _name(dtype: torch.dtype) -> str:
 def check_kv(q, k_cache, v_cache, page_size, *, allow_fp8: bool = False):
     """Shapes and dtypes of q [Tq, Hq, D] and the paged caches [pages, Hkv, page_size, D].
 
-    ``allow_fp8`` (KV-outer only): the caches may be float8_e4m3fn (both), and then q is
-    float8_e4m3fn, bfloat16 or float16; otherwise all three share one float dtype.
+    ``allow_fp8`` (the public attention ops): the caches may be float8_e4m3fn (both), and then
+    q is float8_e4m3fn, bfloat16 or float16; otherwise all three share one float dtype.
     """
     if not allow_fp8:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:
                 raise ValueError(
-                    f"{name}: float8_e4m3fn inputs are taken by kvouter_attention (and sparse_attention when it "
-                    "dispatches there); this op takes bfloat16, float16 or float32"
+                    f"{name}: float8_e4m3fn inputs are taken by the public ops (kvouter_attention, "
+                    "sparse_decode_attention, sparse_attention, dense_paged_attention) with their scales; this "
+                    "entry point takes bfloat16, float16 or float32"
                 )
     dtypes = FLOAT_DTYPES + FP8_DTYPES if allow_fp8 else FLOAT_DTYPES
     check_tensor("q", q, ndim=3, dtypes=dtypes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import kvouter_unsupported, use_triton
+from ._validate import check_quant
 from .interface import validate_kvouter
 from .layout import repeated_slots, token_positions
 
@@ -58,6 +59,10 @@ def sparse_decode_attention(
     page_size: int | None = None,
     block_size: int = 128,
     return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, query-outer (for decode and short chunks).
 
@@ -68,12 +73,16 @@ def sparse_decode_attention(
     Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None); a query with no
     visible key outputs zeros and lse = -inf.
 
+    fp8 caches (and q) with per-tensor scales and ``out_dtype``: as in ``kvouter_attention``.
+
     Nothing is read back to the host on CUDA tensors, so a call can be captured in a
     CUDA graph.
     """
     batch, _, scale = validate_kvouter(
-        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size
+        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size,
+        allow_fp8=True,
     )
+    scales, out_dtype = check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype)
     if use_triton(q, decode_unsupported(q, k_cache, v_cache, selected, block_size)):
         from .triton_decode import run_decode_triton
 
@@ -90,6 +99,8 @@ def sparse_decode_attention(
             block_size=block_size,
             return_lse=return_lse,
             batch=batch,
+            scales=scales,
+            out_dtype=out_dtype,
         )
     return sparse_decode_attention_torch(
         q,
@@ -103,6 +114,8 @@ def sparse_decode_attention(
         causal=causal,
         block_size=block_size,
         return_lse=return_lse,
+        scales=scales,
+        out_dtype=out_dtype,
     )
 
 
@@ -119,15 +132,20 @@ def sparse_decode_attention_torch(
     causal: bool,
     block_size: int,
     return_lse: bool,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain torch version on arguments already checked (``softmax_scale`` resolved).
-    Computes in fp32."""
+    Computes in fp32; fp8 inputs are dequantized with ``scales`` (fp32 [3]: q, k, v) and P
+    is rounded to ``out_dtype`` before P @ V, as the kernel does."""
+    out_dtype = out_dtype or q.dtype
+    sq, sk, sv = (None, None, None) if scales is None else scales.to(device=q.device, dtype=torch.float32).unbind()
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
     topk = selected.shape[2]
     group = hq // hkv
     device = q.device
-    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=device)
+    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     if num_tokens == 0:
         return out, lse
@@ -165,14 +183,18 @@ def sparse_decode_attention_torch(
         k = k_cache[page, heads, slot].float().masked_fill(hide, 0.0).flatten(2, 3)  # [C, Hkv, K*Bs, D]
         v = v_cache[page, heads, slot].float().masked_fill(hide, 0.0).flatten(2, 3)  # [C, Hkv, K*Bs, D]
         b_q = q[t0:t1].float().view(n, hkv, group, d)
+        if scales is not None:
+            b_q, k, v = b_q * sq, k * sk, v * sv
         s = torch.einsum("chgd,chkd->chgk", b_q, k) * softmax_scale  # [C, Hkv, G, K*Bs]
         s = s.masked_fill(~visible.flatten(2, 3)[:, :, None, :], float("-inf"))
         m = s.amax(-1)  # [C, Hkv, G]
         empty = m == float("-inf")
         p = torch.exp(s - torch.where(empty, 0.0, m)[..., None])
         l = p.sum(-1)
+        if scales is not None:
+            p = p.to(out_dtype).float()
         o = torch.einsum("chgk,chkd->chgd", p, v) / torch.where(empty, 1.0, l)[..., None]
-        out[t0:t1] = o.reshape(n, hq, d).to(q.dtype)
+        out[t0:t1] = o.reshape(n, hq, d).to(out_dtype)
         if lse is not None:
             row = torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, l)))
             lse[:, t0:t1] = row.reshape(n, hq).transpose(0, 1)

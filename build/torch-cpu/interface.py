@@ -223,6 +223,10 @@ def sparse_attention(
     page_size: int | None = None,
     block_size: int = 128,
     return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention with the kernel chosen from host-known shapes: the
     query-outer decode kernel (:func:`sparse_decode_attention`) while sequences bring at
@@ -242,6 +246,10 @@ def sparse_attention(
         page_size=page_size,
         block_size=block_size,
         return_lse=return_lse,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out_dtype=out_dtype,
     )
     if rows <= DECODE_MAX_QUERIES:
         from .decode_attention import sparse_decode_attention
@@ -261,9 +269,15 @@ def dense_paged_attention(
     softmax_scale: float | None = None,
     causal: bool = True,
     return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dense attention over a paged K/V cache, same layouts as :func:`kvouter_attention`."""
-    check_kv(q, k_cache, v_cache, None)
+    """Dense attention over a paged K/V cache, same layouts (and fp8 options) as
+    :func:`kvouter_attention`."""
+    check_kv(q, k_cache, v_cache, None, allow_fp8=True)
+    scales, out_dtype = check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype)
     check_varlen(
         cu_seqlens_q,
         used_kv_lens,
@@ -287,6 +301,8 @@ def dense_paged_attention(
             softmax_scale=scale,
             causal=causal,
             return_lse=return_lse,
+            scales=scales,
+            out_dtype=out_dtype,
         )
     return dense_paged_attention_torch(
         q,
@@ -298,6 +314,8 @@ def dense_paged_attention(
         softmax_scale=scale,
         causal=causal,
         return_lse=return_lse,
+        scales=scales,
+        out_dtype=out_dtype,
     )
 
 

@@ -115,7 +115,7 @@ def _tile_attend(
     stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
     nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """One tile: gather its queries, read its K/V block once, one softmax step, store."""
     g = seg // nbg
@@ -139,8 +139,8 @@ def _tile_attend(
     if UPCAST:
         b_q = b_q.to(tl.float32)
         b_k = b_k.to(tl.float32)
-    elif KV_FP8 and not Q_FP8:
-        b_k = b_k.to(b_q.dtype)
+    elif WIDEN_K:
+        b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok
@@ -219,6 +219,7 @@ def _kvouter_partials_kernel(
     FILL: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WIDEN_K: tl.constexpr,
 ):
     BM: tl.constexpr = TQ * GP
     pid = tl.program_id(0)
@@ -260,7 +261,7 @@ def _kvouter_partials_kernel(
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                 nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST, Q_FP8, KV_FP8,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8,
             )
             seg, e0, e1 = n_seg, n_e0, n_e1
             tok, page, kv_len, pos_base = n_tok, n_page, n_kv_len, n_pos_base
@@ -279,7 +280,7 @@ def _kvouter_partials_kernel(
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                 nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST, Q_FP8, KV_FP8,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8,
             )
 
     # Unused entries (past seg_offsets[-1]) belong to no tile: the programs clear them
@@ -411,6 +412,7 @@ def kvouter_partials_triton(
         FILL=FILL_ROWS,
         Q_FP8=q_fp8,
         KV_FP8=kv_fp8,
+        WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
         num_warps=num_warps,
         num_stages=num_stages,
         **extra,

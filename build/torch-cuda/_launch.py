@@ -28,6 +28,13 @@ def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype of a float torch dtype (a kernel's constexpr compute type)."""
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
 def num_sms(device: torch.device, cpu_default: int) -> int:
     """Multiprocessors of ``device`` (cached); ``cpu_default`` stands in off the GPU."""
     if device.type != "cuda":

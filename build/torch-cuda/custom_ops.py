@@ -17,6 +17,13 @@ from .index_topk import index_topk
 from .interface import dense_paged_attention, kvouter_attention, sparse_attention
 
 
+def _fake_attention(q: torch.Tensor, out_dtype: torch.dtype | None):
+    """(out, lse) of an attention op: out in ``out_dtype`` (default q's, bfloat16 for an fp8 q)."""
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 @custom_op(f"{NAMESPACE}::index_topk", mutates_args=())
 def index_topk_op(
     index_q: torch.Tensor,
@@ -91,9 +98,7 @@ def kvouter_attention_op(
 @kvouter_attention_op.register_fake
 def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
       q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _fake_attention(q, out_dtype)
 
 
 @custom_op(f"{NAMESPACE}::sparse_decode_attention", mutates_args=())
@@ -108,6 +113,10 @@ def sparse_decode_attention_op(
     softmax_scale: float,
     causal: bool,
     block_size: int,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return sparse_decode_attention(
         q,
@@ -121,12 +130,17 @@ def sparse_decode_attention_op(
         causal=causal,
         block_size=block_size,
         return_lse=True,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out_dtype=out_dtype,
     )
 
 
 @sparse_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
+      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+    return _fake_attention(q, out_dtype)
 
 
 @custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
@@ -142,6 +156,10 @@ def sparse_attention_op(
     softmax_scale: float,
     causal: bool,
     block_size: int,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return sparse_attention(
         q,
@@ -156,13 +174,17 @@ def sparse_attention_op(
         causal=causal,
         block_size=block_size,
         return_lse=True,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out_dtype=out_dtype,
     )
 
 
 @sparse_attention_op.register_fake
 def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, max_seqlen_q, softmax_scale, causal,
-      block_size):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+      block_size, q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+    return _fake_attention(q, out_dtype)
 
 
 @custom_op(f"{NAMESPACE}::dense_paged_attention", mutates_args=())
@@ -175,6 +197,10 @@ def dense_paged_attention_op(
     used_kv_lens: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = dense_paged_attention(
         q,
@@ -186,10 +212,15 @@ def dense_paged_attention_op(
         softmax_scale=softmax_scale,
         causal=causal,
         return_lse=True,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        out_dtype=out_dtype,
     )
     return out, lse
 
 
 @dense_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal,
+      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+    return _fake_attention(q, out_dtype)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2, num_sms
+from ._launch import contiguous, interpreting, next_pow2, num_sms, tl_dtype
 from .decode_attention import MAX_TRITON_TOPK
 
 LOG2E = 1.4426950408889634
@@ -102,6 +102,7 @@ def _decode_split_kernel(
     num_seqs,
     topk,
     qk_scale,
+    scale_ptr,
     G: tl.constexpr,
     RP: tl.constexpr,
     D: tl.constexpr,
@@ -117,9 +118,14 @@ def _decode_split_kernel(
     SEQ_STEPS: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    WIDEN_K: tl.constexpr,
+    PV_DT: tl.constexpr,
 ):
     """One (token, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
-    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace."""
+    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace. fp8 inputs: the q and
+    k scales fold into qk_scale, V is widened to PV_DT (the output dtype) for P @ V."""
     CPB: tl.constexpr = BS // BN  # key chunks per block
     ONE_PAGE: tl.constexpr = BN <= PS  # a chunk never straddles pages (both powers of two)
     PPB: tl.constexpr = BS // PS if BS > PS else 1  # pages per block
@@ -127,6 +133,10 @@ def _decode_split_kernel(
     g = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr + 1)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)
 
     # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
     # whole vectors of cu (one load for a decode batch) rather than a binary search,
@@ -210,6 +220,8 @@ def _decode_split_kernel(
         b_v = tl.load(v_head + off_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
         if UPCAST:
             b_k = b_k.to(tl.float32)
+        elif WIDEN_K:
+            b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [RP, BN], log2 units
         b_s = tl.where(k_ok[None, :], b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [RP]
@@ -219,11 +231,13 @@ def _decode_split_kernel(
         b_p = tl.exp2(b_s - m_safe[:, None])  # [RP, BN]
         l_i = l_i * alpha + tl.sum(b_p, 1)
         if UPCAST:
-            b_pv = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [RP, BD]
+            b_pv = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [RP, BD]
         else:
-            b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [RP, BD]
+            b_pv = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [RP, BD]
         acc = acc * alpha[:, None] + b_pv
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(scale_ptr + 2)
 
     if FINAL:
         empty = l_i == 0.0
@@ -334,11 +348,13 @@ def run_decode_triton(
     block_n=None,
     num_warps=None,
     num_stages=None,
+    scales=None,
+    out_dtype=None,
 ):
     """The decode kernels on arguments already checked by ``interface.validate_kvouter``
-    (``softmax_scale`` resolved, ``batch`` = number of sequences). Launch choices
-    (``num_splits``, ``block_n``, ``num_warps``, ``num_stages``) never change results
-    beyond rounding."""
+    (``softmax_scale`` resolved, ``batch`` = number of sequences; fp8 inputs with
+    ``scales`` fp32 [3] from ``_validate.check_quant``). Launch choices (``num_splits``,
+    ``block_n``, ``num_warps``, ``num_stages``) never change results beyond rounding."""
     block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
@@ -351,7 +367,12 @@ def run_decode_triton(
         raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
     if topk > MAX_TRITON_TOPK:
         raise ValueError(f"selected: the Triton decode kernel takes at most {MAX_TRITON_TOPK} slots a row, got {topk}")
-    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=device)
+    fp8 = torch.float8_e4m3fn
+    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
+    if (q_fp8 or kv_fp8) and scales is None:
+        raise ValueError("scales: fp8 inputs need their dequantization scales (see sparse_decode_attention)")
+    out_dtype = out_dtype or q.dtype
+    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     if num_tokens == 0 or batch == 0:
         return out, lse
@@ -361,7 +382,8 @@ def run_decode_triton(
             lse.fill_(float("-inf"))
         return out, lse
     bn = chunk_keys(block_size, block_n)
-    bd = max(16, next_pow2(d))
+    # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
+    bd = max(32 if q_fp8 else 16, next_pow2(d))
     if num_stages is None:
         num_stages = DECODE_CONFIG["num_stages"]
     if block_n is None:
@@ -381,7 +403,7 @@ def run_decode_triton(
         num_warps = 8 if rp >= 128 else DECODE_CONFIG["num_warps"]
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     final = num_splits == 1
     seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
     if final:
@@ -420,6 +442,7 @@ def run_decode_triton(
         batch,
         topk,
         float(softmax_scale) * LOG2E,
+        scales if scales is not None else l_buf,
         G=group,
         RP=rp,
         D=d,
@@ -435,6 +458,10 @@ def run_decode_triton(
         SEQ_STEPS=-(-batch // seq_chunk),
         PREC="ieee" if q.dtype == torch.float32 or upcast else None,
         UPCAST=upcast,
+        Q_FP8=q_fp8,
+        KV_FP8=kv_fp8,
+        WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PV_DT=tl_dtype(out_dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

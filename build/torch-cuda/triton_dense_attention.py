@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2, num_sms
+from ._launch import contiguous, interpreting, next_pow2, num_sms, tl_dtype
 from .triton_decode import COMBINE_ELEMS, MAX_SPLITS, _decode_combine_kernel
 
 LOG2E = 1.4426950408889634
@@ -57,6 +57,7 @@ def _attend_key_tile(
     acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
     BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    WIDEN_K: tl.constexpr, PV_DT: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BN)."""
     k_pos = start_n + offs_n
@@ -75,6 +76,8 @@ def _attend_key_tile(
     b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
     if UPCAST:
         b_k = b_k.to(tl.float32)
+    elif WIDEN_K:
+        b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BN], log2 units
     if MASK:
         b_s = tl.where(k_pos[None, :] < lim[:, None], b_s, float("-inf"))
@@ -85,9 +88,9 @@ def _attend_key_tile(
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(b_p, 1)
     if UPCAST:
-        b_pv = tl.dot(b_p.to(b_v.dtype).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+        b_pv = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
     else:
-        b_pv = tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)  # [BM, BD]
+        b_pv = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [BM, BD]
     acc = acc * alpha[:, None] + b_pv
     return acc, m_new, l_i
 
@@ -117,6 +120,7 @@ def _dense_paged_attn_kernel(
     num_tokens,
     num_seqs,
     qk_scale,
+    scale_ptr,
     G: tl.constexpr,
     GP: tl.constexpr,
     TM: tl.constexpr,
@@ -130,12 +134,21 @@ def _dense_paged_attn_kernel(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FINAL: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    WIDEN_K: tl.constexpr,
+    PV_DT: tl.constexpr,
 ):
     BM: tl.constexpr = TM * GP
     pid = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    # fp8 inputs: the q and k scales fold into the softmax scale, v's into the output.
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr + 1)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)
 
     # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
     lo = pid * 0
@@ -195,15 +208,17 @@ def _dense_paged_attn_kernel(
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, False, PREC, UPCAST,
+            BN, PS, False, PREC, UPCAST, WIDEN_K, PV_DT,
         )
     for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, True, PREC, UPCAST,
+            BN, PS, True, PREC, UPCAST, WIDEN_K, PV_DT,
         )
 
+    if KV_FP8:
+        acc = acc * tl.load(scale_ptr + 2)
     if FINAL:
         empty = l_i == 0.0
         b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, BD]
@@ -262,8 +277,11 @@ def dense_paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None).
+    """Returns (out [Tq, Hq, D] in ``out_dtype`` (default q's), lse [Hq, Tq] fp32 or None).
+    fp8 inputs need ``scales`` (fp32 [3]: q, k, v; ``_validate.check_quant``).
 
     ``max_seqlen_q`` (host-known, an upper bound is enough) only shrinks the query
     tile for decode-like batches; results never depend on it. ``block_n`` must be a
@@ -286,9 +304,12 @@ def dense_paged_attention_triton(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     device = q.device
-    out = torch.empty_like(q)
-    if out.stride(2) != 1:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    fp8 = torch.float8_e4m3fn
+    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
+    if (q_fp8 or kv_fp8) and scales is None:
+        raise ValueError("scales: fp8 inputs need their dequantization scales (see dense_paged_attention)")
+    out_dtype = out_dtype or q.dtype
+    out = torch.empty(q.shape, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     batch = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or batch <= 0:
@@ -296,14 +317,15 @@ def dense_paged_attention_triton(
     tm = _tile_tokens(gp, num_tokens if max_seqlen_q is None else min(int(max_seqlen_q), num_tokens),
                       BLOCK_M if block_m is None else int(block_m))
     rows = tm * gp
-    bd = max(16, next_pow2(d))
+    # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
+    bd = max(32 if q_fp8 else 16, next_pow2(d))
     if num_warps is None:
         num_warps = 8 if rows >= 128 and bd >= 128 else 4
     if num_stages is None:
         num_stages = 2
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and q.dtype == torch.bfloat16
+    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     if num_splits is None:
         num_splits = default_num_splits(
             num_tokens, batch, hkv, tm, block_tables.shape[1] * page_size, device, bn
@@ -344,6 +366,7 @@ def dense_paged_attention_triton(
         num_tokens,
         batch,
         float(softmax_scale) * LOG2E,
+        scales if scales is not None else l_buf,
         G=group,
         GP=gp,
         TM=tm,
@@ -357,6 +380,10 @@ def dense_paged_attention_triton(
         PREC="ieee" if q.dtype == torch.float32 or upcast else None,
         UPCAST=upcast,
         FINAL=final,
+        Q_FP8=q_fp8,
+        KV_FP8=kv_fp8,
+        WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PV_DT=tl_dtype(out_dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -308,6 +308,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from m3_sparse import triton_decode as tdec
 
+import triton.language as tl
+
 def build(kernel, constexprs, pointers, num_warps, num_stages=3):
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
@@ -317,12 +319,15 @@ def build(kernel, constexprs, pointers, num_warps, num_stages=3):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 def split_case(dtype, num_warps, **kw):
+    out = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=False,
-              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False)
+              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False, Q_FP8=False, KV_FP8=False,
+              WIDEN_K=False, PV_DT=out.get(dtype, tl.bfloat16))
+    kv_dtype = kw.pop("kv_dtype", dtype)
     cx.update(kw)
-    ptrs = {n: "*" + dtype for n in ("q_ptr", "k_ptr", "v_ptr")}
+    ptrs = {"q_ptr": "*" + dtype, "k_ptr": "*" + kv_dtype, "v_ptr": "*" + kv_dtype, "scale_ptr": "*fp32"}
     ptrs.update({n: "*i32" for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr")})
-    ptrs.update(o_ptr="*" + dtype if cx["FINAL"] else "*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    ptrs.update(o_ptr="*bf16" if cx["FINAL"] else "*fp32", m_ptr="*fp32", l_ptr="*fp32")
     return build(tdec._decode_split_kernel, cx, ptrs, num_warps)
 
 res = {}
@@ -331,6 +336,9 @@ cases = {
     "final-page64": lambda: split_case("bf16", 8, FINAL=True, PS=64, BN=128, SEQ_STEPS=3),  # chunks over two pages
     "fp16-g64": lambda: split_case("fp16", 4, G=64, RP=64, PS=16, BN=16, BS=64, TOPK_P2=32),
     "fp32-d96": lambda: split_case("fp32", 4, G=1, D=96, PREC="ieee"),
+    # fp8 K/V against a bf16 q (K widened), and fp8 q too (an fp8 MMA), bf16 output
+    "fp8-kv": lambda: split_case("bf16", 4, kv_dtype="fp8e4nv", KV_FP8=True, WIDEN_K=True),
+    "fp8-qkv-final": lambda: split_case("fp8e4nv", 4, kv_dtype="fp8e4nv", Q_FP8=True, KV_FP8=True, FINAL=True),
     "combine": lambda: build(
         tdec._decode_combine_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
         {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}, 4),

@@ -26,12 +26,18 @@ def dense_paged_attention_torch(
     softmax_scale: float,
     causal: bool,
     return_lse: bool,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp8 inputs are dequantized with ``scales`` (fp32 [3]: q, k, v) and P is rounded to
+    ``out_dtype`` (default q's) before P @ V, as the kernel does."""
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
     group = hq // hkv
     device = q.device
-    out = torch.empty_like(q)
+    out_dtype = out_dtype or q.dtype
+    sq, sk, sv = (None, None, None) if scales is None else scales.to(device=device, dtype=torch.float32).unbind()
+    out = torch.empty(q.shape, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     if num_tokens == 0:
         return out, lse
@@ -45,6 +51,8 @@ def dense_paged_attention_torch(
         # keys [0, limit) are visible; a row at a negative position sees none
         limit = torch.where(pos < 0, 0, pos + 1 if causal else kv[seq])
         b_q = q[q0:q1].float().view(q1 - q0, hkv, group, d)  # [C, Hkv, G, D]
+        if scales is not None:
+            b_q = b_q * sq
         m = torch.full((q1 - q0, hkv, group), float("-inf"), device=device)
         l = torch.zeros(q1 - q0, hkv, group, device=device)
         acc = torch.zeros(q1 - q0, hkv, group, d, device=device)
@@ -57,6 +65,8 @@ def dense_paged_attention_torch(
             slot = (kpos % page_size)[None, :].expand_as(page)
             k = k_cache.permute(0, 2, 1, 3)[page, slot].float().masked_fill(~visible[..., None, None], 0.0)
             v = v_cache.permute(0, 2, 1, 3)[page, slot].float().masked_fill(~visible[..., None, None], 0.0)
+            if scales is not None:
+                k, v = k * sk, v * sv
             s = torch.einsum("chgd,ckhd->chgk", b_q, k) * softmax_scale
             s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
@@ -64,11 +74,13 @@ def dense_paged_attention_torch(
             alpha = torch.exp(m - safe)
             p = torch.exp(s - safe[..., None])
             l = l * alpha + p.sum(-1)
+            if scales is not None:
+                p = p.to(out_dtype).float()
             acc = acc * alpha[..., None] + torch.einsum("chgk,ckhd->chgd", p, v)
             m = m_new
         empty = m == float("-inf")
         o = acc / torch.where(empty, 1.0, l)[..., None]
-        out[q0:q1] = o.masked_fill(empty[..., None], 0.0).reshape(q1 - q0, hq, d).to(q.dtype)
+        out[q0:q1] = o.masked_fill(empty[..., None], 0.0).reshape(q1 - q0, hq, d).to(out_dtype)
         if lse is not None:
             row = torch.where(empty, float("-inf"), m + torch.log(torch.where(empty, 1.0, l)))
             lse[:, q0:q1] = row.reshape(q1 - q0, hq).transpose(0, 1)

@@ -1,5 +1,7 @@
-"""KV-outer attention on fp8 (e4m3) inputs: q and/or the K/V caches in float8_e4m3fn with
-per-tensor dequantization scales, partials and output in bf16/fp16.
+"""Attention on fp8 (e4m3) inputs: q and/or the K/V caches in float8_e4m3fn with per-tensor
+dequantization scales, output (and KV-outer partials) in bf16/fp16, for every attention op:
+``kvouter_attention``, ``sparse_decode_attention``, ``sparse_attention`` (both branches of
+its dispatch) and ``dense_paged_attention``.
 
 The oracle is the float64 reference on the dequantized inputs (``x.float() * scale``), so
 only the implementation's own rounding counts: P rounded to the partial dtype before P @ V,
@@ -32,10 +34,10 @@ from kernel_test_utils import (  # noqa: E402
     randn,
     random_selection,
 )
-from m3_sparse.reference import sparse_attention_ref  # noqa: E402
+from m3_sparse.reference import dense_attention_ref, sparse_attention_ref  # noqa: E402
 
-kernel_module("m3_sparse.triton_kvouter")
-kernel_module("m3_sparse.triton_combine")
+for _name in ("triton_kvouter", "triton_combine", "triton_decode", "triton_dense_attention"):
+    kernel_module(f"m3_sparse.{_name}")
 
 FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -65,11 +67,23 @@ def problem(seed, page_size=16, hq=8, hkv=2, d=32, topk=4, block_size=16, causal
     return batch, q, k, v, sel
 
 
-def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, **kw):
+OPS = {
+    "kvouter": lambda *a, **kw: m3_sparse.kvouter_attention(*a, **kw),
+    "decode": lambda *a, **kw: m3_sparse.sparse_decode_attention(*a, **kw),
+    # max_seqlen_q below every sequence's rows: the decode branch; above: KV-outer.
+    "sparse_decode": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=1, **kw),
+    "sparse_kvouter": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=4096, **kw),
+    "dense": lambda q, k, v, sel, bt, block_size, **kw: m3_sparse.dense_paged_attention(q, k, v, bt, **kw),
+}
+
+
+def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, op="kvouter", **kw):
     monkeypatch.setenv("M3_SPARSE_IMPL", impl)
     args = [x.to(DEVICE) for x in (q, k, v, sel, batch.block_tables)]
+    if op != "kvouter":
+        kw.pop("max_workspace_bytes", None)
     with poisoned_allocations():
-        out, lse = m3_sparse.kvouter_attention(
+        out, lse = OPS[op](
             *args,
             cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE),
             used_kv_lens=batch.used_kv_lens.to(DEVICE),
@@ -83,7 +97,9 @@ def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, **kw
     return out.cpu(), lse.cpu()
 
 
-def oracle(batch, q, k, v, sel, causal=True, block_size=16):
+def oracle(batch, q, k, v, sel, causal=True, block_size=16, op="kvouter"):
+    if op == "dense":
+        return dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal)
     return sparse_attention_ref(
         q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal, block_size
     )
@@ -92,11 +108,12 @@ def oracle(batch, q, k, v, sel, causal=True, block_size=16):
 IMPLS = ["torch", "triton"]
 
 
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("fp8_q", [True, False], ids=["q8", "q16"])
-def test_fp8_caches(impl, causal, fp8_q, monkeypatch):
-    batch, q, k, v, sel = problem(3 + int(causal) + 2 * int(fp8_q), causal=causal)
+def test_fp8_caches(op, impl, causal, fp8_q, monkeypatch):
+    batch, q, k, v, sel = problem(3 + int(causal) + 2 * int(fp8_q) + 4 * list(OPS).index(op), causal=causal)
     k8, ks = quantize(k)
     v8, vs = quantize(v)
     if fp8_q:
@@ -105,15 +122,16 @@ def test_fp8_caches(impl, causal, fp8_q, monkeypatch):
         extra = {"q_scale": qs}
     else:
         q_in, q_ref, extra = q.to(torch.bfloat16), q.to(torch.bfloat16).float(), {}
-    out, lse = run(batch, q_in, k8, v8, sel, impl, monkeypatch, causal=causal, k_scale=ks, v_scale=vs, **extra)
+    out, lse = run(batch, q_in, k8, v8, sel, impl, monkeypatch, causal=causal, op=op, k_scale=ks, v_scale=vs, **extra)
     assert out.dtype == torch.bfloat16
-    ref_o, ref_lse = oracle(batch, q_ref, k8.float() * ks, v8.float() * vs, sel, causal)
+    ref_o, ref_lse = oracle(batch, q_ref, k8.float() * ks, v8.float() * vs, sel, causal, op=op)
     assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
     assert_close("lse", ref_lse, lse, LSE_TOL)
 
 
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("impl", IMPLS)
-def test_tensor_scales_fp16_output_and_slices(impl, monkeypatch):
+def test_tensor_scales_fp16_output_and_slices(op, impl, monkeypatch):
     # Scales as one-element device tensors (what a quantizer computes without a sync), an
     # fp16 output, and a workspace budget small enough that the rows run in slices.
     batch, q, k, v, sel = problem(11, page_size=64, topk=3)
@@ -122,22 +140,23 @@ def test_tensor_scales_fp16_output_and_slices(impl, monkeypatch):
     v8, vs = quantize(v)
     scales = {n: torch.tensor([s], dtype=torch.float32, device=DEVICE) for n, s in (("q", qs), ("k", ks), ("v", vs))}
     out, lse = run(
-        batch, q8, k8, v8, sel, impl, monkeypatch,
+        batch, q8, k8, v8, sel, impl, monkeypatch, op=op,
         q_scale=scales["q"], k_scale=scales["k"].view(()), v_scale=scales["v"],
         out_dtype=torch.float16, max_workspace_bytes=4096,
     )  # fmt: skip
     assert out.dtype == torch.float16
-    ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel)
+    ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel, op=op)
     assert_close("out", ref_o, out, FP8_TOL[torch.float16])
     assert_close("lse", ref_lse, lse, LSE_TOL)
 
 
-def test_torch_and_triton_agree(monkeypatch):
+@pytest.mark.parametrize("op", ["kvouter", "decode", "dense"])
+def test_torch_and_triton_agree(op, monkeypatch):
     batch, q, k, v, sel = problem(5)
     q8, qs = quantize(q)
     k8, ks = quantize(k)
     v8, vs = quantize(v)
-    kw = dict(q_scale=qs, k_scale=ks, v_scale=vs)
+    kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, op=op)
     o_t, l_t = run(batch, q8, k8, v8, sel, "torch", monkeypatch, **kw)
     o_k, l_k = run(batch, q8, k8, v8, sel, "triton", monkeypatch, **kw)
     assert_close("triton vs torch", o_t.float(), o_k.float(), 2 * FP8_TOL[torch.bfloat16])
@@ -161,8 +180,16 @@ def test_custom_op_fake_has_the_output_dtype():
     with FakeTensorMode() as mode:
         args = [mode.from_tensor(x) for x in (q8, k8, v8, sel, batch.block_tables, batch.cu_seqlens_q,
                                               batch.used_kv_lens)]  # fmt: skip
-        out, lse = m3_sparse.ops.kvouter_attention(*args, SCALE, True, 16, None, None, None, torch.float16)
-    assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+        outs = [
+            m3_sparse.ops.kvouter_attention(*args, SCALE, True, 16, None, None, None, torch.float16),
+            m3_sparse.ops.sparse_decode_attention(*args, SCALE, True, 16, None, None, None, torch.float16),
+            m3_sparse.ops.sparse_attention(*args, 1, SCALE, True, 16, None, None, None, torch.float16),
+            m3_sparse.ops.dense_paged_attention(*args[:3], *args[4:], SCALE, True, None, None, None, torch.float16),
+            m3_sparse.ops.kvouter_attention(*args, SCALE, True, 16),  # fp8 q, no out_dtype: bfloat16
+        ]
+    for i, (out, lse) in enumerate(outs):
+        assert out.dtype == (torch.bfloat16 if i == 4 else torch.float16) and out.shape == q.shape
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
 
 
 def bad_calls():
@@ -194,18 +221,27 @@ def test_errors(case):
         m3_sparse.kvouter_attention(*args, **base, **kw)
 
 
-def test_other_ops_refuse_fp8_by_name():
+@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("op", ["decode", "sparse_decode", "dense"])
+def test_errors_of_the_other_ops(op, case):
+    calls, base = bad_calls()
+    args, kw, match = calls[case]
+    with pytest.raises(ValueError, match=match):
+        OPS[op](*args, **base, **kw)
+
+
+def test_composed_triton_entry_points_name_fp8():
+    # The launch-tuning entry points of the kernels take bf16/fp16/fp32 only, and say where
+    # fp8 goes.
     batch, q, k, v, sel = problem(4)
     q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))
-    kw = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens)
-    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
-        m3_sparse.sparse_decode_attention(q8, k8, v8, sel, batch.block_tables, **kw, block_size=16)
-    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
-        m3_sparse.dense_paged_attention(q8, k8, v8, batch.block_tables, **kw)
-    # The dispatcher hands few query rows to the decode kernel, which refuses fp8 by name,
-    # and many rows to KV-outer, which takes them.
-    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
-        m3_sparse.sparse_attention(q8, k8, v8, sel, batch.block_tables, **kw, block_size=16, max_seqlen_q=1)
+    kw = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens, block_size=16)
+    from m3_sparse.triton_decode import sparse_decode_attention_triton
+    from m3_sparse.triton_kvouter import kvouter_attention_triton
+
+    for fn in (sparse_decode_attention_triton, kvouter_attention_triton):
+        with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
+            fn(q8, k8, v8, sel, batch.block_tables, **kw)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
