@@ -1,8 +1,9 @@
-"""Every KV-outer and dense Triton kernel compiles for the GPU, without one: Triton's
+"""Every Triton kernel of the package compiles for the GPU, without one: Triton's
 ahead-of-time compiler lowers each kernel for Hopper (sm_90) and Blackwell (sm_100) from a
 signature, down to PTX, on the CPU. The interpreter runs the kernels' semantics in CI; this
 catches what only the GPU compiler rejects (types, layouts, MMA shapes such as an fp8 dot's
-depth). The decode kernel has its own such test in test_triton_decode.py.
+depth). The decode kernel's variants are also compiled in test_triton_decode.py (sm_90, with
+a check that its K/V loads are software-pipelined).
 
 Each configuration is the one the launcher picks for M3 (or a named edge), with pointer
 types as the launcher passes them.
@@ -27,7 +28,9 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from m3_sparse import triton_combine as tcomb
+from m3_sparse import triton_decode as tdec
 from m3_sparse import triton_dense_attention as tda
+from m3_sparse import triton_index_topk as tix
 from m3_sparse import triton_kvouter as tkv
 from m3_sparse import triton_kvouter_index as tidx
 from m3_sparse import triton_scheduler as tsched
@@ -74,8 +77,42 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     ptrs.update(o_ptr="*" + out if final else "*fp32", lse_ptr="*fp32", l_ptr="*" + out if final else "*fp32")
     return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=8 if cx["TM"] * cx["GP"] >= 128 else 4)
 
+def index_topk(q="bf16", k="bf16", final=True, **kw):
+    cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=tix.PREFILL_BM,
+              BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, FP8=False, FP8_DOT=False,
+              K_CAST=False, FINAL=final)
+    cx.update(kw)
+    ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "out_ptr", "ws_id_ptr")}
+    ptrs.update(q_ptr="*" + q, k_ptr="*" + k, ks_ptr="*fp32" if cx["FP8"] else "*" + k,
+                ws_val_ptr=I32 if final else "*fp32")
+    return build(tix._index_topk_kernel, cx, ptrs, num_warps=4, num_stages=2 if cx["BM"] >= 128 else 3)
+
+def decode(q="bf16", kv="bf16", final=False, **kw):
+    dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+    cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=final,
+              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False, Q_FP8=False, KV_FP8=False,
+              WIDEN_K=False, PV_DT=tl.bfloat16)
+    cx.update(kw)
+    ptrs = {n: I32 for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr")}
+    ptrs.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32",
+                o_ptr="*bf16" if final else "*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    return build(tdec._decode_split_kernel, cx, ptrs, num_warps=4, num_stages=3)
+
 F8 = "fp8e4nv"
 cases = {
+    "index top-k prefill": lambda: index_topk(),
+    "index top-k decode split": lambda: index_topk(BM=16, final=False, BATCH_P2=64),
+    "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, FP8=True, FP8_DOT=True),
+    "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, FP8=True, K_CAST=True, final=False),
+    "index merge": lambda: build(tix._merge_kernel, dict(H=4, BLOCK=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15,
+                                                          KP=16, NC=128, RB=8, BATCH_P2=64),
+                                 {"ws_val_ptr": "*fp32", "ws_id_ptr": I32, "out_ptr": I32, "cu_ptr": I32,
+                                  "kvlen_ptr": I32}),
+    "decode M3": lambda: decode(),
+    "decode fp8 q/K/V final": lambda: decode(F8, F8, final=True, Q_FP8=True, KV_FP8=True),
+    "decode combine": lambda: build(tdec._decode_combine_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
+                                    {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32",
+                                     "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
     "index rank topk16": lambda: index_builder(tidx._chunk_rank_kernel, 16),
     "index rank topk32": lambda: index_builder(tidx._chunk_rank_kernel, 32),
     "index scan": lambda: index_builder(tidx._chunk_scan_kernel, 16),
