@@ -501,15 +501,6 @@ def table_b(rows: list[dict]) -> str:
             f"{r['splits']} | {fmt(r['kvouter_eager'])} | {fmt(kvg)} | {fmt(r['floor'])} | {win_e} | {win_g} | "
             f"{max(r['err_decode'], r['err_kvouter']):.1e} |"
         )
-    fp8 = [r for r in rows if "decode_fp8_graph" in r]
-    if fp8:
-        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | fp8 floor us | / floor | err vs bf16 inputs |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in fp8:
-            lines.append(
-                f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | {fmt(r['floor_fp8'])} | "
-                f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['err_fp8']:.1e} |"
-            )
     return "\n".join(lines)
 
 

@@ -28,6 +28,16 @@ def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+def fp8_flags(q: torch.Tensor, k_cache: torch.Tensor, scales, out_dtype, entry: str):
+    """(q is fp8, the caches are fp8, output dtype) of a launcher's inputs; fp8 inputs need
+    the fp32 [3] scales of ``_validate.check_quant`` (``entry`` names the public op)."""
+    fp8 = torch.float8_e4m3fn
+    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
+    if (q_fp8 or kv_fp8) and scales is None:
+        raise ValueError(f"scales: fp8 inputs need their dequantization scales (see {entry})")
+    return q_fp8, kv_fp8, out_dtype or q.dtype
+
+
 def tl_dtype(dtype: torch.dtype):
     """The Triton dtype of a float torch dtype (a kernel's constexpr compute type)."""
     import triton.language as tl

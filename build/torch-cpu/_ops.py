@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_57a3826565"
+NAMESPACE = "_m3_sparse_cpu_513f11bdfb"
 
 ops = getattr(torch.ops, NAMESPACE)
 

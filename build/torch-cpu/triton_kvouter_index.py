@@ -30,8 +30,8 @@ import triton.language as tl
 import torch
 
 from ._launch import contiguous, next_pow2
-from ._validate import INDEX_DTYPES, check_positive_int, check_selected_values, check_tensor
-from .kvouter_index import KVOuterIndex
+from ._validate import check_positive_int
+from .kvouter_index import KVOuterIndex, validate_build
 
 # Entries per chunk tile (tokens x padded top-k); the rank pass does C * topk compares per
 # entry, the count matrix has (Tq / C + B) * Hkv * max_blocks int32 cells.
@@ -222,12 +222,8 @@ def build_kvouter_index_triton(
     values on the CPU or under ``M3_SPARSE_DEBUG=1``). ``chunk_tokens`` (a power of two)
     overrides the chunk length.
     """
-    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=selected.device)
-    check_positive_int("max_blocks", max_blocks)
-    check_selected_values(selected, max_blocks)
+    batch = validate_build(selected, cu_seqlens_q, max_blocks, batch_size)
     num_tokens, hkv, topk = selected.shape
-    batch = cu_seqlens_q.shape[0] - 1 if batch_size is None else batch_size
     if batch != cu_seqlens_q.shape[0] - 1:
         raise ValueError(f"batch_size={batch}: expected cu_seqlens_q.shape[0] - 1 = {cu_seqlens_q.shape[0] - 1}")
     if chunk_tokens is not None:

@@ -304,6 +304,26 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+def aot_compile(script: str, *args: str) -> dict:
+    """Run an ahead-of-time compile script in a fresh interpreter without TRITON_INTERPRET
+    (argv: the torch-ext folder, then ``args``) and return the dict it prints after
+    ``RESULT ``; skip when this Triton's compile API differs from the script's."""
+    import json
+    import subprocess
+
+    pytest.importorskip("triton.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(TORCH_EXT), *args], capture_output=True, text=True, env=env, timeout=900
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if not lines:
+        if "ImportError" in proc.stderr or "cannot import name" in proc.stderr:
+            pytest.skip(f"Triton's ahead-of-time compile API differs: {proc.stderr.strip().splitlines()[-1]}")
+        pytest.fail(f"compile script failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def kernel_module(name: str):
     """Import the Triton kernel module ``name``; without CUDA, make sure its kernels are the
     interpreter's (they are re-decorated if the module was imported before

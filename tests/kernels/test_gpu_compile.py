@@ -12,12 +12,10 @@ types as the launcher passes them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from kernel_test_utils import aot_compile
 
 SCRIPT = r"""
 import json, sys
@@ -147,17 +145,7 @@ print("RESULT " + json.dumps(res))
 
 @pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
 def test_kernels_compile_for_the_gpu(arch):
-    pytest.importorskip("triton.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    torch_ext = str(Path(__file__).resolve().parents[2] / "torch-ext")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, torch_ext, str(arch)], capture_output=True, text=True, env=env, timeout=900
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if not lines:
-        if "ImportError" in proc.stderr or "cannot import name" in proc.stderr:
-            pytest.skip(f"Triton's ahead-of-time compile API differs: {proc.stderr.strip().splitlines()[-1]}")
-        pytest.fail(f"compile script failed:\n{proc.stderr[-3000:]}")
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = aot_compile(SCRIPT, str(arch))
     bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
     assert not bad, f"kernels that do not compile for sm_{arch}: {json.dumps(bad, indent=1)}"
+    assert len(res) >= 23, sorted(res)

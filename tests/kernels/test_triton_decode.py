@@ -13,7 +13,6 @@ it runs natively, plus M3-sized shapes and a CUDA-graph capture.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -357,22 +356,9 @@ def test_kernels_compile_for_sm90():
     """Every kernel variant builds for the GPU; on the M3 configuration Triton also
     software-pipelines the K/V loads (asynchronous copies into shared memory), without
     which the kernel is latency-bound."""
-    import subprocess
-    from pathlib import Path
+    from kernel_test_utils import aot_compile
 
-    pytest.importorskip("triton.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    torch_ext = str(Path(__file__).resolve().parents[2] / "torch-ext")
-    proc = subprocess.run([sys.executable, "-c", SM90_SCRIPT, torch_ext], capture_output=True, text=True, env=env,
-                          timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if not lines:
-        if "ImportError" in proc.stderr or "cannot import name" in proc.stderr:
-            pytest.skip(f"Triton's ahead-of-time compile API differs: {proc.stderr.strip().splitlines()[-1]}")
-        pytest.fail(f"compile script failed:\n{proc.stderr[-3000:]}")
-    import json
-
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = aot_compile(SM90_SCRIPT)
     bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
     assert not bad, f"kernels that do not compile for sm_90: {bad}"
     assert res["m3"]["pipelined"], "K/V loads of the M3 configuration are not pipelined"

@@ -47,25 +47,24 @@ def random_selection(g, num_tokens, hkv, topk, max_blocks, empty=0.2, repeat=0.1
     return sel.to(torch.int32)
 
 
-def assert_same_index(ref, got):
-    for f in INDEX_FIELDS:
+def assert_same_arrays(ref, got, fields):
+    for f in fields:
         a, b = getattr(ref, f), getattr(got, f)
         assert b.dtype == a.dtype and b.shape == a.shape, f"{f}: {b.dtype}{tuple(b.shape)} vs {a.dtype}{tuple(a.shape)}"
         if not torch.equal(a.cpu(), b.cpu()):
             bad = torch.nonzero(a.cpu() != b.cpu())[0].tolist()
             pytest.fail(f"{f} differs first at {bad}: torch {a.cpu()[tuple(bad)]}, triton {b.cpu()[tuple(bad)]}")
+
+
+def assert_same_index(ref, got):
+    assert_same_arrays(ref, got, INDEX_FIELDS)
     for f in ("num_kv_heads", "max_blocks", "num_global_blocks"):
         assert getattr(got, f) == getattr(ref, f), f
 
 
 def assert_same_schedule(ref, got):
     assert got.tile_q == ref.tile_q
-    for f in SCHEDULE_FIELDS:
-        a, b = getattr(ref, f), getattr(got, f)
-        assert b.dtype == a.dtype and b.shape == a.shape, f"{f}: {b.dtype}{tuple(b.shape)} vs {a.dtype}{tuple(a.shape)}"
-        if not torch.equal(a.cpu(), b.cpu()):
-            bad = torch.nonzero(a.cpu() != b.cpu())[0].tolist()
-            pytest.fail(f"{f} differs first at {bad}: torch {a.cpu()[tuple(bad)]}, triton {b.cpu()[tuple(bad)]}")
+    assert_same_arrays(ref, got, SCHEDULE_FIELDS)
 
 
 def check(sel, cu, max_blocks, chunk_tokens=None, schedules=((1, 1), (4, 3), (8, 16))):

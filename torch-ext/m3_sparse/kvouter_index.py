@@ -46,6 +46,15 @@ class KVOuterIndex:
         return self.entry_token.shape[0]
 
 
+def validate_build(selected, cu_seqlens_q, max_blocks, batch_size) -> int:
+    """Checks shared by the torch and Triton builders; returns the batch size."""
+    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=selected.device)
+    check_positive_int("max_blocks", max_blocks)
+    check_selected_values(selected, max_blocks)
+    return cu_seqlens_q.shape[0] - 1 if batch_size is None else batch_size
+
+
 def build_kvouter_index(
     selected: torch.Tensor, *, cu_seqlens_q: torch.Tensor, max_blocks: int, batch_size: int | None = None
 ) -> KVOuterIndex:
@@ -53,12 +62,8 @@ def build_kvouter_index(
 
     ``max_blocks``: blocks per sequence (block table width x page_size / block_size).
     """
-    check_tensor("selected", selected, ndim=3, dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, device=selected.device)
-    check_positive_int("max_blocks", max_blocks)
-    check_selected_values(selected, max_blocks)
+    batch = validate_build(selected, cu_seqlens_q, max_blocks, batch_size)
     num_tokens, hkv, topk = selected.shape
-    batch = cu_seqlens_q.shape[0] - 1 if batch_size is None else batch_size
     nbg = batch * max_blocks
     num_segments = hkv * nbg
     device = selected.device

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2, num_sms, tl_dtype
+from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
 from .decode_attention import MAX_TRITON_TOPK
 
 LOG2E = 1.4426950408889634
@@ -367,11 +367,7 @@ def run_decode_triton(
         raise ValueError("q/k_cache/v_cache: the head dim must be contiguous (stride 1)")
     if topk > MAX_TRITON_TOPK:
         raise ValueError(f"selected: the Triton decode kernel takes at most {MAX_TRITON_TOPK} slots a row, got {topk}")
-    fp8 = torch.float8_e4m3fn
-    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
-    if (q_fp8 or kv_fp8) and scales is None:
-        raise ValueError("scales: fp8 inputs need their dequantization scales (see sparse_decode_attention)")
-    out_dtype = out_dtype or q.dtype
+    q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "sparse_decode_attention")
     out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     if num_tokens == 0 or batch == 0:
@@ -466,27 +462,36 @@ def run_decode_triton(
         num_stages=num_stages,
     )
     if not final:
-        # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
-        rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
-        _decode_combine_kernel[(num_tokens, triton.cdiv(hq, rb))](
-            o_buf,
-            m_buf,
-            l_buf,
-            out,
-            lse if lse is not None else out,
-            num_tokens,
-            hq,
-            out.stride(0),
-            out.stride(1),
-            S=num_splits,
-            G=group,
-            RB=rb,
-            D=d,
-            BD=bd,
-            RETURN_LSE=bool(return_lse),
-            num_warps=4,
-        )
+        merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
     return out, lse
+
+
+def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> None:
+    """Merge split partials (workspace rows ``((t * Hkv + g) * S + s) * G + r``: raw o
+    [rows, D] fp32, m in log2 units, l) into ``out`` [Tq, Hq, D] and ``lse`` [Hq, Tq] or None.
+    Shared by the decode kernel and the dense kernel's key splits."""
+    num_tokens, hq, d = out.shape
+    bd = max(16, next_pow2(d))
+    # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
+    rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
+    _decode_combine_kernel[(num_tokens, triton.cdiv(hq, rb))](
+        o_ws,
+        m_ws,
+        l_ws,
+        out,
+        lse if lse is not None else out,
+        num_tokens,
+        hq,
+        out.stride(0),
+        out.stride(1),
+        S=num_splits,
+        G=group,
+        RB=rb,
+        D=d,
+        BD=bd,
+        RETURN_LSE=lse is not None,
+        num_warps=4,
+    )
 
 
 def sparse_decode_attention_triton(
@@ -535,4 +540,4 @@ def sparse_decode_attention_triton(
     )
 
 
-__all__ = ["run_decode_triton", "sparse_decode_attention_triton", "default_num_splits", "DECODE_CONFIG"]
+__all__ = ["run_decode_triton", "sparse_decode_attention_triton", "default_num_splits", "merge_splits", "DECODE_CONFIG"]

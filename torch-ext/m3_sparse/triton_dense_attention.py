@@ -26,7 +26,7 @@ Decode batches have few tiles (one token each), too few programs to keep every S
 reading keys: the keys are then split over a third grid axis. Split ``s`` of ``S`` takes
 an equal contiguous share of the tile's key tiles (counted on the device from its
 limit), writes its raw (m, l, o) to an fp32 workspace in the layout of the decode
-kernel's splits, and ``triton_decode._decode_combine_kernel`` merges them by their max.
+kernel's splits, and ``triton_decode.merge_splits`` merges them by their max.
 ``S`` comes from shapes only (``default_num_splits``).
 """
 
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2, num_sms, tl_dtype
-from .triton_decode import COMBINE_ELEMS, MAX_SPLITS, _decode_combine_kernel
+from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
+from .triton_decode import MAX_SPLITS, merge_splits
 
 LOG2E = 1.4426950408889634
 
@@ -304,11 +304,7 @@ def dense_paged_attention_triton(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     device = q.device
-    fp8 = torch.float8_e4m3fn
-    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
-    if (q_fp8 or kv_fp8) and scales is None:
-        raise ValueError("scales: fp8 inputs need their dequantization scales (see dense_paged_attention)")
-    out_dtype = out_dtype or q.dtype
+    q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "dense_paged_attention")
     out = torch.empty(q.shape, dtype=out_dtype, device=device)
     lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     batch = cu_seqlens_q.shape[0] - 1
@@ -388,23 +384,5 @@ def dense_paged_attention_triton(
         num_stages=num_stages,
     )
     if not final:
-        rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
-        _decode_combine_kernel[(num_tokens, triton.cdiv(hq, rb))](
-            o_buf,
-            m_buf,
-            l_buf,
-            out,
-            lse if lse is not None else out,
-            num_tokens,
-            hq,
-            out.stride(0),
-            out.stride(1),
-            S=num_splits,
-            G=group,
-            RB=rb,
-            D=d,
-            BD=bd,
-            RETURN_LSE=bool(return_lse),
-            num_warps=4,
-        )
+        merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
     return out, lse

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, interpreting, next_pow2, num_sms
+from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms
 
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
@@ -341,11 +341,7 @@ def kvouter_partials_triton(
     tq = next_pow2(max(sched.tile_q, -(-16 // gp)))
     if tq * gp > 2 * TILE_ROWS:
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
-    fp8 = torch.float8_e4m3fn
-    q_fp8, kv_fp8 = q.dtype == fp8, k_cache.dtype == fp8
-    if (q_fp8 or kv_fp8) and scales is None:
-        raise ValueError("scales: fp8 inputs need their dequantization scales (see kvouter_attention)")
-    out_dtype = out_dtype or q.dtype
+    q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
     partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
     partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
     partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
