@@ -38,9 +38,9 @@ def _inputs(seed):
     return prompt, feed
 
 
-def _cache(model, index_key_dtype=None):
+def _cache(model, index_key_dtype=None, **kv):
     return M3PagedCache(
-        model.config, BATCH, PROMPT + STEPS + 4, page_size=PAGE, device="cuda", index_key_dtype=index_key_dtype
+        model.config, BATCH, PROMPT + STEPS + 4, page_size=PAGE, device="cuda", index_key_dtype=index_key_dtype, **kv
     )
 
 
@@ -48,23 +48,24 @@ def _step(model, cache, ids, pos):
     return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_index", "fp8_index"])
+@pytest.mark.parametrize("fp8", [False, True, "kv"], ids=["bf16_index", "fp8_index", "fp8_index_and_kv"])
 @torch.no_grad()
 def test_decode_step_replays_in_a_cuda_graph(model, fp8):
     if fp8 and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 in this torch")
     index_dtype = torch.float8_e4m3fn if fp8 else None
+    kv = dict(kv_cache_dtype=torch.float8_e4m3fn, k_scale=0.02, v_scale=0.03) if fp8 == "kv" else {}
     prompt, feed = _inputs(3)
     pos = torch.empty(BATCH, 1, dtype=torch.long, device="cuda")
 
-    eager = _cache(model, index_dtype)
+    eager = _cache(model, index_dtype, **kv)
     model(input_ids=prompt, past_key_values=eager, use_cache=True)
     ref = []
     for i in range(STEPS):
         pos.fill_(PROMPT + i)
         ref.append(_step(model, eager, feed[i], pos).clone())
 
-    cache = _cache(model, index_dtype)
+    cache = _cache(model, index_dtype, **kv)
     model(input_ids=prompt, past_key_values=cache, use_cache=True)
     ids = feed[0].clone()
     pos.fill_(PROMPT)

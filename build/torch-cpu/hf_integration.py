@@ -256,6 +256,7 @@ def m3_sparse_attention(
         v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
 
     history = layer.slots_used if layer is not None else key.shape[2]
+    fp8 = layer.kv_scale_args() if layer is not None else {}
     if block_indices is not None and not every_block_selected(
         history, block_indices.shape[-1], module.config.index_block_size
     ):
@@ -272,6 +273,7 @@ def m3_sparse_attention(
             softmax_scale=scaling,
             causal=causal,
             block_size=module.config.index_block_size,
+            **fp8,
         )
     else:
         out, _ = kernel.dense_paged_attention(
@@ -283,6 +285,7 @@ def m3_sparse_attention(
             used_kv_lens=kv_lens,
             softmax_scale=scaling,
             causal=causal,
+            **fp8,
         )
     return out.view(batch, q_len, hq, d), None
 

@@ -138,7 +138,7 @@ def check_kv(q, k_cache, v_cache, page_size, *, allow_fp8: bool = False):
     """Shapes and dtypes of q [Tq, Hq, D] and the paged caches [pages, Hkv, page_size, D].
 
     ``allow_fp8`` (the public attention ops): the caches may be float8_e4m3fn (both), and then
-    q is float8_e4m3fn, bfloat16 or float16; otherwise all three share one float dtype.
+    q is float8_e4m3fn or any float dtype; otherwise all three share one float dtype.
     """
     if not allow_fp8:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -170,8 +170,6 @@ def check_kv(q, k_cache, v_cache, page_size, *, allow_fp8: bool = False):
                 f"k_cache and v_cache must both be float8_e4m3fn or neither, got {_name(k_cache.dtype)} and "
                 f"{_name(v_cache.dtype)}"
             )
-        if q.dtype not in FP8_DTYPES + (torch.bfloat16, torch.float16):
-            raise ValueError(f"q: with float8_e4m3fn caches q must be float8_e4m3fn, bfloat16 or float16, got {_name(q.dtype)}")
     elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(
             f"k_cache/v_cache: expected the dtype of q ({q.dtype}), got {k_cache.dtype} and {v_cache.dtype}"

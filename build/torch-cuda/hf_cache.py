@@ -15,6 +15,7 @@ is written and without a device synchronization.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -165,8 +166,9 @@ class M3PagedLayer(CacheLayerMixin):
         cache._place(device)
         # One page past the pool takes the writes of leading pad tokens; no block table names it.
         shape = (cache.num_pages + 1, hkv, cache.page_size, d)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        kv_dtype = cache.kv_cache_dtype or dtype
+        self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
         if self.is_sparse:
             index_dtype = cache.index_key_dtype or dtype
             self.index_keys = torch.zeros(
@@ -213,8 +215,10 @@ class M3PagedLayer(CacheLayerMixin):
         self._step_page = torch.where(is_pad, self.cache.num_pages, page)
         self._step_slot = torch.where(is_pad, i[None, :] % self.page_size, safe % self.page_size)
 
-    def _write(self, pool: torch.Tensor, states: torch.Tensor) -> None:
+    def _write(self, pool: torch.Tensor, states: torch.Tensor, scale: float | None = None) -> None:
         page, slot = self._step_page, self._step_slot
+        if scale is not None:  # fp8 K/V: e4m3 codes of states / scale, saturated at e4m3's largest value
+            states = (states.float() / scale).clamp(-FP8_MAX, FP8_MAX)
         if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
             pool.permute(0, 2, 1, 3).index_put_((page, slot), states.transpose(1, 2).to(pool.dtype))
         else:  # index keys: [pages, page_size, D], one shared head
@@ -235,8 +239,9 @@ class M3PagedLayer(CacheLayerMixin):
         )
         self.seq_lens += self.pending
         self._locate(s, lead)
-        self._write(self.keys, key_states)
-        self._write(self.values, value_states)
+        fp8 = self.cache.kv_cache_dtype is not None
+        self._write(self.keys, key_states, self.cache.k_scale if fp8 else None)
+        self._write(self.values, value_states, self.cache.v_scale if fp8 else None)
         self.step_len = s
         # Rows are right aligned on this length: real token i of row b sits at
         # seq_lens + i - lead, trailing pads after the real tokens (overwritten next step).
@@ -245,6 +250,14 @@ class M3PagedLayer(CacheLayerMixin):
         self.index_written = False
         self.slots_used += s
         return self.keys, self.values
+
+    def kv_scale_args(self) -> dict:
+        """The dequantization scales the attention ops need for this layer's pools ({} unless
+        the cache stores fp8 K/V)."""
+        cache = self.cache
+        if cache.kv_cache_dtype is None:
+            return {}
+        return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
 
     def update_index(self, index_keys: torch.Tensor) -> torch.Tensor:
         """Write this step's index keys [B, 1, S, Di] next to the K/V written by :meth:`update`."""
@@ -327,6 +340,13 @@ class M3PagedCache(Cache):
         index_fp8_dot: with fp8 index keys, also quantize the index queries to e4m3 inside the
             GPU (Triton) index kernel so its scores run on the fp8 tensor cores: faster prefill,
             noisier ranking. The CPU (torch) path ignores it. Default False.
+        kv_cache_dtype: storage of every layer's K/V pages. ``None`` (default) keeps the model
+            dtype; ``torch.float8_e4m3fn`` stores e4m3 codes of ``k / k_scale`` and ``v / v_scale``
+            (saturated at +-448): half the bytes of bf16 pages, and the attention kernels read
+            half as much (they take the scales and compute in the model dtype).
+        k_scale, v_scale: the fixed per-tensor scales of fp8 K/V (positive floats, default 1.0;
+            only with ``kv_cache_dtype=torch.float8_e4m3fn``). Choose them so that
+            ``|k| / k_scale`` stays within 448.
     """
 
     def __init__(
@@ -342,6 +362,9 @@ class M3PagedCache(Cache):
         num_pages: int | None = None,
         index_key_dtype: torch.dtype | None = None,
         index_fp8_dot: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         for name, value in (("batch_size", batch_size), ("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -363,6 +386,18 @@ class M3PagedCache(Cache):
                 "index_fp8_dot: the fp8 tensor-core dot needs an index head dim of at least 32, the model's is "
                 f"{text.index_head_dim}"
             )
+        if kv_cache_dtype is not None and (FP8_INDEX_DTYPE is None or kv_cache_dtype != FP8_INDEX_DTYPE):
+            raise ValueError(
+                "kv_cache_dtype: expected None (store K/V in the model dtype) or torch.float8_e4m3fn, "
+                f"got {kv_cache_dtype!r}"
+            )
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is None:
+                continue
+            if kv_cache_dtype is None:
+                raise ValueError(f"{name}: a scale of fp8 K/V pages; pass kv_cache_dtype=torch.float8_e4m3fn too")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+                raise ValueError(f"{name}: expected a positive finite float, got {scale!r}")
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self._text_config = text
         self.max_batch = batch_size
@@ -372,6 +407,9 @@ class M3PagedCache(Cache):
         self.dtype = dtype
         self.index_key_dtype = index_key_dtype
         self.index_fp8_dot = index_fp8_dot
+        self.kv_cache_dtype = kv_cache_dtype
+        self.k_scale = float(k_scale) if k_scale is not None else 1.0
+        self.v_scale = float(v_scale) if v_scale is not None else 1.0
         self.index_head_dim = getattr(text, "index_head_dim", 0)
         self.pages_per_seq = -(-max_cache_len // page_size)
         if block_tables is None:

@@ -201,7 +201,6 @@ def bad_calls():
     return [
         ((q8, k.to(bf), v.to(bf), sel, bt), {}, "q is float8_e4m3fn: k_cache and v_cache must be float8_e4m3fn too"),
         ((q.to(bf), k8, v.to(bf), sel, bt), {}, "k_cache and v_cache must both be float8_e4m3fn"),
-        ((q, k8, v8, sel, bt), {}, "q: with float8_e4m3fn caches q must be float8_e4m3fn, bfloat16 or float16"),
         ((q.to(bf), k.to(bf), v.to(bf), sel, bt), {"k_scale": 0.5}, "k_scale: a dequantization scale of float8"),
         ((q.to(bf), k8, v8, sel, bt), {"q_scale": 0.5}, "q_scale: a dequantization scale of float8"),
         ((q8, k8, v8, sel, bt), {"q_scale": -1.0}, "q_scale: expected a positive finite float"),
@@ -213,7 +212,7 @@ def bad_calls():
     ], base
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(10))
 def test_errors(case):
     calls, base = bad_calls()
     args, kw, match = calls[case]
@@ -221,7 +220,7 @@ def test_errors(case):
         m3_sparse.kvouter_attention(*args, **base, **kw)
 
 
-@pytest.mark.parametrize("case", range(11))
+@pytest.mark.parametrize("case", range(10))
 @pytest.mark.parametrize("op", ["decode", "sparse_decode", "dense"])
 def test_errors_of_the_other_ops(op, case):
     calls, base = bad_calls()
