@@ -16,7 +16,7 @@ Sections:
   fastest is used for the rest of the run (the defaults are timed as well);
 * (a) decode, batch 32, one new token per sequence, each context: the decode kernel
   (eager call of the public entry, and one call captured in a CUDA graph and replayed),
-  ``kvouter_attention`` (the module: torch index build and schedule, Triton partials and
+  ``kvouter_attention`` (the module: Triton index build, schedule, partials and
   combine; eager, and graph-captured if it captures), dense SDPA over the full context on a
   contiguous [B, Hkv, S, D] cache (the backend that accepted the shapes is named), and the
   floor: bytes of the distinct selected K/V blocks (visible keys only) + q + out at 4.2 TB/s;

@@ -31,8 +31,9 @@ def validate_kvouter(
     q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size,
     *, allow_fp8=False,
 ):
-    """Checks of :func:`kvouter_attention` (shared with the Triton path and the decode
-    kernel, which take no fp8). Returns (batch size, blocks per sequence, softmax scale)."""
+    """Checks of :func:`kvouter_attention` (shared with the decode op and the kernels'
+    composed entry points; ``allow_fp8`` for the public ops, which take fp8 inputs).
+    Returns (batch size, blocks per sequence, softmax scale)."""
     check_kv(q, k_cache, v_cache, page_size, allow_fp8=allow_fp8)
     page_size = k_cache.shape[2]
     check_positive_int("block_size", block_size)
@@ -83,12 +84,12 @@ def kvouter_attention(
     Returns (out [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None); a query with no
     visible key outputs zeros and lse = -inf.
 
-    CUDA tensors run the Triton partials and combine kernels (``triton_kvouter``),
-    others the torch stages. The partial buffer is bounded by ``max_workspace_bytes``
+    CUDA tensors run the Triton stages (index builder, scheduler, partials, combine:
+    ``triton_kvouter``), others the torch stages. The partial buffer is bounded by ``max_workspace_bytes``
     (default ``DEFAULT_WORKSPACE_BYTES``, 4 GiB): more query rows than fit run in
     slices of rows, so memory stays linear in the prompt with a fixed constant.
 
-    fp8: the caches may be float8_e4m3fn (both), q float8_e4m3fn or bfloat16/float16, each
+    fp8: the caches may be float8_e4m3fn (both), q float8_e4m3fn or any float dtype, each
     fp8 tensor with a per-tensor dequantization scale ``q_scale`` / ``k_scale`` /
     ``v_scale`` (``real = stored * scale``; a float or a one-element tensor on the device;
     default 1). Q @ K^T runs on the fp8 values (fp8 tensor cores when q is fp8 too), P @ V

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_eb69102880"
+NAMESPACE = "_m3_sparse_cuda_5982e0d274"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -23,7 +23,7 @@ Partial offsets are 64-bit: at 32K+ tokens the buffer holds more than 2^31 eleme
 fp8 (e4m3) inputs: Q @ K^T runs on the stored fp8 values (an fp8 x fp8 MMA when q is fp8,
 else K widened to q's dtype) and the dequantization scales fold into the softmax scale.
 P @ V runs in the partial dtype with V widened in registers (exact for e4m3), then times
-v_scale: fp8 halves the K/V bytes read, while P keeps bf16/fp16 precision instead of e4m3's
+v_scale: fp8 halves the K/V bytes read, while P keeps the partial dtype's precision instead of e4m3's
 three mantissa bits, and V needs no K-major copy for an fp8 MMA.
 """
 
@@ -140,7 +140,7 @@ def _tile_attend(
         b_q = b_q.to(tl.float32)
         b_k = b_k.to(tl.float32)
     elif WIDEN_K:
-        b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
+        b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok

@@ -38,7 +38,9 @@ from .kvouter_index import KVOuterIndex, validate_build
 CHUNK_ENTRIES = 512
 # Cells of the count matrix before the chunks grow (256 MiB of int32).
 MAX_COUNT_CELLS = 1 << 26
-MAX_CHUNK_TOKENS = 4096
+# The chunk tile stays in registers: it grows to at most this many entries (256 tokens at
+# top-16, enough for a 512K-token prompt over a 512K-token table within MAX_COUNT_CELLS).
+MAX_CHUNK_ENTRIES = 4096
 SCAN_BLOCKS = 256  # blocks per program of the scan pass
 
 
@@ -201,9 +203,11 @@ def _scatter_kernel(
 
 def chunk_tokens_for(num_tokens: int, batch: int, hkv: int, topk: int, max_blocks: int) -> int:
     """Tokens per chunk: ``CHUNK_ENTRIES`` entries, doubled while the count matrix would
-    exceed ``MAX_COUNT_CELLS`` (long prompts over wide block tables)."""
-    chunk = max(1, CHUNK_ENTRIES // next_pow2(topk))
-    while chunk < MAX_CHUNK_TOKENS and (-(-num_tokens // chunk) + batch) * hkv * max_blocks > MAX_COUNT_CELLS:
+    exceed ``MAX_COUNT_CELLS`` (long prompts over wide block tables), up to
+    ``MAX_CHUNK_ENTRIES`` (past that the matrix may exceed the cap)."""
+    tk = next_pow2(topk)
+    chunk = max(1, CHUNK_ENTRIES // tk)
+    while chunk * tk < MAX_CHUNK_ENTRIES and (-(-num_tokens // chunk) + batch) * hkv * max_blocks > MAX_COUNT_CELLS:
         chunk *= 2
     return chunk
 

@@ -47,8 +47,8 @@ def build(kernel, constexprs, pointers, num_warps=4, num_stages=2):
 
 I32 = "*i32"
 
-def index_builder(k, topk):
-    cx = dict(C=512 // topk, TK=topk, BB=2)
+def index_builder(k, topk, chunk=None):
+    cx = dict(C=chunk or 512 // topk, TK=topk, BB=2)
     ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
             "seg_off_ptr": I32, "e_tok_ptr": I32, "e_rank_ptr": I32, "e_seg_ptr": I32}
     if k is tidx._chunk_scan_kernel:
@@ -113,6 +113,7 @@ cases = {
                                      "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
     "index rank topk16": lambda: index_builder(tidx._chunk_rank_kernel, 16),
     "index rank topk32": lambda: index_builder(tidx._chunk_rank_kernel, 32),
+    "index rank, largest chunk": lambda: index_builder(tidx._chunk_rank_kernel, 16, tidx.MAX_CHUNK_ENTRIES // 16),
     "index scan": lambda: index_builder(tidx._chunk_scan_kernel, 16),
     "index scatter": lambda: index_builder(tidx._scatter_kernel, 16),
     "scheduler": lambda: build(tsched._emit_tiles_kernel, dict(BT=128, BP=1024),
@@ -124,6 +125,7 @@ cases = {
     "partials fp8 q/K/V": lambda: partials(F8, F8, "bf16", Q_FP8=True, KV_FP8=True),
     "partials fp8 K/V, bf16 q": lambda: partials("bf16", F8, "bf16", KV_FP8=True, WIDEN_K=True),
     "partials fp8 q/K/V D16 (padded tile)": lambda: partials(F8, F8, "fp16", D=16, BD=32, Q_FP8=True, KV_FP8=True),
+    "partials fp8 K/V, fp32 q": lambda: partials("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
     "combine": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1, RETURN_LSE=True),
                              {"po_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
                               "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
@@ -131,6 +133,7 @@ cases = {
     "dense decode split": lambda: dense(TM=1, final=False),
     "dense fp8 K/V split": lambda: dense("bf16", F8, TM=1, final=False, KV_FP8=True, WIDEN_K=True),
     "dense fp8 q/K/V": lambda: dense(F8, F8, Q_FP8=True, KV_FP8=True),
+    "dense fp8 K/V, fp32 q": lambda: dense("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
 }
 res = {}
 for name, make in cases.items():
@@ -148,4 +151,4 @@ def test_kernels_compile_for_the_gpu(arch):
     res = aot_compile(SCRIPT, str(arch))
     bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
     assert not bad, f"kernels that do not compile for sm_{arch}: {json.dumps(bad, indent=1)}"
-    assert len(res) >= 23, sorted(res)
+    assert len(res) >= 26, sorted(res)

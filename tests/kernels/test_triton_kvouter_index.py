@@ -138,6 +138,9 @@ def test_chunk_length_grows_to_bound_the_count_matrix():
     big = tidx.chunk_tokens_for(1 << 19, 1, 4, 16, 4096)  # 512K tokens over a 512K-token table
     assert big > tidx.CHUNK_ENTRIES // 16
     assert ((1 << 19) // big + 1) * 4 * 4096 <= tidx.MAX_COUNT_CELLS
+    assert big * 16 <= tidx.MAX_CHUNK_ENTRIES
+    # Past what the tile may hold, the chunk stops growing (the count matrix then passes the cap).
+    assert tidx.chunk_tokens_for(1 << 24, 1, 4, 16, 1 << 15) * 16 == tidx.MAX_CHUNK_ENTRIES
 
 
 @pytest.mark.parametrize(

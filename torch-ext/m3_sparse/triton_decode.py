@@ -221,7 +221,7 @@ def _decode_split_kernel(
         if UPCAST:
             b_k = b_k.to(tl.float32)
         elif WIDEN_K:
-            b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
+            b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [RP, BN], log2 units
         b_s = tl.where(k_ok[None, :], b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [RP]

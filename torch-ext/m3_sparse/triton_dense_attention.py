@@ -77,7 +77,7 @@ def _attend_key_tile(
     if UPCAST:
         b_k = b_k.to(tl.float32)
     elif WIDEN_K:
-        b_k = b_k.to(b_q.dtype)  # fp8 keys against a bf16/fp16 q
+        b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BN], log2 units
     if MASK:
         b_s = tl.where(k_pos[None, :] < lim[:, None], b_s, float("-inf"))
