@@ -39,6 +39,7 @@ from m3_sparse import triton_kvouter_index as tidx  # noqa: E402
 from m3_sparse import triton_scheduler as tsched  # noqa: E402
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
+LOOP_NAMES = {v: k for k, v in tkv.LOOPS.items()}
 PEAK_FLOPS = 700e12  # bf16 GEMM 8192^3 on this H200 (M3_SPEC section 3)
 PEAK_BYTES = 4.2e12  # device-to-device copy, read + write
 LOG = []
@@ -372,13 +373,13 @@ def tune(args):
             sms = torch.cuda.get_device_properties(0).multi_processor_count
             ref = None
             for var in args.attn_variants:
-                tq, warps, stages, pps, nreg, pf = var
+                tq, warps, stages, pps, nreg, lp = var
                 sched = m3_sparse.schedule(index, tile_q=tq, num_programs=sms * pps)
                 fn = lambda: tkv.kvouter_partials_triton(  # noqa: E731
                     q, k, v, index, sched, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=D**-0.5,
-                    block_size=BLOCK, num_warps=warps, num_stages=stages, maxnreg=nreg or None, prefetch=bool(pf),
+                    block_size=BLOCK, num_warps=warps, num_stages=stages, maxnreg=nreg or None, loop=LOOP_NAMES[lp],
                 )
-                name = f"attn tq{tq} w{warps} s{stages} p{pps}" + (f" r{nreg}" if nreg else "") + (" pf" if pf else "")
+                name = f"attn tq{tq} w{warps} s{stages} p{pps}" + (f" r{nreg}" if nreg else "") + f" {LOOP_NAMES[lp]}"
                 try:
                     parts = fn()
                     info = kernel_info(tkv._kvouter_partials_kernel)
@@ -460,9 +461,10 @@ def main():
     ap.add_argument("--tune-patterns", default="hot", help="selection patterns of --tune")
     ap.add_argument("--run-sizes", default=None, help="sizes of the run after --tune (default 8K,32K,128K)")
     ap.add_argument("--attn-variants", default="8:8:3:1:0:0,8:8:3:1:0:1,8:8:1:2:0:1,8:8:1:2:128:1,4:4:3:2:0:0,4:4:1:4:0:1",
-                    help="tile_q:num_warps:num_stages:programs_per_sm:maxnreg (0 = none):prefetch,... (tile_q for G = 16)")
+                    help="tile_q:num_warps:num_stages:programs_per_sm:maxnreg (0 = none):loop (0 staged, 1 prefetch, "
+                         "2 resident),... (tile_q for G = 16)")
     ap.add_argument("--comb-variants", default="8:4,16:4,16:2,32:8", help="rows:num_warps,...")
-    ap.add_argument("--attn-config", default=None, help="tile_rows:num_warps:num_stages:programs_per_sm:maxnreg:prefetch")
+    ap.add_argument("--attn-config", default=None, help="tile_rows:num_warps:num_stages:programs_per_sm:maxnreg:loop")
     ap.add_argument("--comb-config", default=None, help="rows:num_warps for the main run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
@@ -474,9 +476,9 @@ def main():
     args.attn_variants = parse_variants(args.attn_variants, 6)
     args.comb_variants = parse_variants(args.comb_variants, 2)
     if args.attn_config:
-        tr, w, s_, pps, nreg, pf = (int(x) for x in args.attn_config.split(":"))
+        tr, w, s_, pps, nreg, lp = (int(x) for x in args.attn_config.split(":"))
         tkv.ATTN_CONFIG.update(
-            tile_rows=tr, num_warps=w, num_stages=s_, programs_per_sm=pps, maxnreg=nreg or None, prefetch=bool(pf)
+            tile_rows=tr, num_warps=w, num_stages=s_, programs_per_sm=pps, maxnreg=nreg or None, loop=LOOP_NAMES[lp]
         )
     if args.comb_config:
         r_, w = (int(x) for x in args.comb_config.split(":"))
@@ -495,10 +497,10 @@ def main():
         log(md)
         log(f"# best attention variant {best_a}, best combine variant {best_c}")
         if args.then_run:
-            tq, w, s_, pps, nreg, pf = best_a
+            tq, w, s_, pps, nreg, lp = best_a
             tkv.ATTN_CONFIG.update(
                 tile_rows=tq * (HQ // HKV), num_warps=w, num_stages=s_, programs_per_sm=pps, maxnreg=nreg or None,
-                prefetch=bool(pf),
+                loop=LOOP_NAMES[lp],
             )
             tcomb.COMBINE_CONFIG.update(rows=best_c[0], num_warps=best_c[1])
             log(f"# attn config {tkv.ATTN_CONFIG}, combine config {tcomb.COMBINE_CONFIG}")

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_5982e0d274"
+NAMESPACE = "_m3_sparse_cpu_6a2f7ff25e"
 
 ops = getattr(torch.ops, NAMESPACE)
 

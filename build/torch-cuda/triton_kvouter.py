@@ -9,8 +9,8 @@ One persistent program per slice ``[program_tiles[p], program_tiles[p + 1])`` of
 the schedule. Per tile (one segment = kv head g, sequence, block; up to TQ
 consecutive entries of it):
 
-* the K/V block is read once through the block table (a block may span pages or
-  share one);
+* the K/V block is read through the block table (a block may span pages or share one),
+  once per run of the segment's tiles in the slice (``loop="resident"``, the default);
 * the tile's queries are gathered head-packed: row ``i * GP + h`` is head
   ``g * G + h`` of the i-th entry's token, so TQ tokens x G heads fill one
   MMA tile of ``TQ * GP`` rows (GP = G rounded up to a power of two);
@@ -46,19 +46,24 @@ LOG2E = 1.4426950408889634
 TILE_ROWS = 128
 # Launch settings of the partials kernel, tuned on the H200 at N = 32K (docs/PERF.md, KV-outer;
 # the benchmark's --tune overrides them): rows per tile, warps, software-pipelining
-# depth, persistent programs per SM, register cap, metadata prefetch. 64-row tiles with
-# one warpgroup let two programs share an SM (210 registers, 80 KB shared memory), which
-# edged out 128-row tiles with two warpgroups (255 registers: one program per SM).
-# With 4 programs per SM only two are resident at a time: the slices stay contiguous
-# and balanced, the hardware starts the next program as one ends.
+# depth, persistent programs per SM, register cap, loop form (LOOPS). With the K/V block
+# resident per run of tiles, 64-row tiles with one warpgroup (255 registers, 80 KB shared
+# memory: two programs per SM) beat 128-row tiles with two warpgroups by 22%, and one
+# pipeline stage edged out two and three. With 4 programs per SM only two are resident at
+# a time: the slices stay contiguous and balanced, the hardware starts the next program as
+# one ends.
 ATTN_CONFIG = {
     "tile_rows": 64,
     "num_warps": 4,
-    "num_stages": 2,
+    "num_stages": 1,
     "programs_per_sm": 4,
     "maxnreg": None,
-    "prefetch": True,
+    "loop": "resident",
 }
+# How a program walks its slice of tiles: "staged" (metadata from the induction variable,
+# left to the software pipeliner), "prefetch" (metadata run two tiles ahead by hand) or
+# "resident" (one K/V load per run of a segment's tiles, query tiles streamed past it).
+LOOPS = {"staged": 0, "prefetch": 1, "resident": 2}
 # Rows of the unused tail that one program clears per step.
 FILL_ROWS = 64
 
@@ -109,39 +114,46 @@ def _tile_level2(
 
 
 @triton.jit
-def _tile_attend(
-    q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
-    seg, e0, e1, tok, page, kv_len, pos_base,
-    stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-    nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr, KV_FP8: tl.constexpr,
+def _load_kv(
+    k_ptr, v_ptr, g, blk, page, kv_len, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+    offs_d, offs_n, q_dt: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr,
 ):
-    """One tile: gather its queries, read its K/V block once, one softmax step, store."""
-    g = seg // nbg
-    blk = seg % nbg % max_blocks
+    """The K/V block of a segment through its pages, in the dtypes the two dots take."""
+    k_pos = blk * BS + offs_n
+    slot = k_pos % PS
+    kv_mask = (k_pos < kv_len)[:, None] & (offs_d < D)[None, :]
+    # K is loaded as K^T so that the dot takes it as is: a transpose at the dot kept the
+    # shared-memory copy of K inside a loop over query tiles (V's was hoisted).
+    p_kt = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[None, :] + offs_d[:, None]
+    p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
+    b_kt = tl.load(p_kt, mask=tl.trans(kv_mask), other=0.0)  # [BD, BS]
+    b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
+    if UPCAST:
+        b_kt = b_kt.to(tl.float32)
+    elif WIDEN_K:
+        b_kt = b_kt.to(q_dt)  # fp8 keys against a float q
+    return b_kt, b_v
+
+
+@triton.jit
+def _attend_rows(
+    q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v,
+    g, blk, e0, e1, tok, kv_len, pos_base,
+    stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """One tile against a loaded K/V block: gather its queries, one softmax step, store."""
     d_ok = offs_d < D
     e_row = e0 + r_tok
     row_ok = (e_row < e1) & (r_head < G)
     p_q = q_ptr + (tok.to(tl.int64) * stride_qt + (g * G + r_head).to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-
-    k_pos = blk * BS + offs_n
-    k_ok = k_pos < kv_len
-    slot = k_pos % PS
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    p_k = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[:, None] + offs_d[None, :]
-    p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
-    b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BS, BD]
-    b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
-
-    pv_dt = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
     if UPCAST:
         b_q = b_q.to(tl.float32)
-        b_k = b_k.to(tl.float32)
-    elif WIDEN_K:
-        b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BS], log2 units
+    pv_dt = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
+    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok
     if CAUSAL:
@@ -152,6 +164,7 @@ def _tile_attend(
     # Only the local block (or the sequence's last, partial block) needs the mask.
     lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
     if blk * BS + BS - 1 > lim_min:
+        k_pos = blk * BS + offs_n
         b_s = tl.where(k_pos[None, :] <= lim[:, None], b_s, float("-inf"))
     b_m = tl.max(b_s, 1)  # [BM]
     m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
@@ -170,6 +183,29 @@ def _tile_attend(
     tl.store(p_o, b_o.to(po_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
     tl.store(pl_ptr + o_row, b_l, mask=row_ok)
+
+
+@triton.jit
+def _tile_attend(
+    q_ptr, k_ptr, v_ptr, po_ptr, pm_ptr, pl_ptr,
+    seg, e0, e1, tok, page, kv_len, pos_base,
+    stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+    nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """One tile, its K/V block read for it alone."""
+    g = seg // nbg
+    blk = seg % nbg % max_blocks
+    b_kt, b_v = _load_kv(
+        k_ptr, v_ptr, g, blk, page, kv_len, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+        offs_d, offs_n, q_ptr.dtype.element_ty, D, BS, PS, UPCAST, WIDEN_K,
+    )
+    _attend_rows(
+        q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v, g, blk, e0, e1, tok, kv_len, pos_base,
+        stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+        G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8,
+    )
 
 
 @triton.jit
@@ -203,6 +239,7 @@ def _kvouter_partials_kernel(
     max_blocks,
     capacity_rows,
     num_programs,
+    tile_q,
     qk_scale,
     scale_ptr,
     G: tl.constexpr,
@@ -215,7 +252,7 @@ def _kvouter_partials_kernel(
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    LOOP: tl.constexpr,
     FILL: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -239,7 +276,7 @@ def _kvouter_partials_kernel(
 
     t_lo = tl.load(prog_tiles_ptr + pid)
     t_hi = tl.load(prog_tiles_ptr + pid + 1)
-    if PREFETCH:
+    if LOOP == 1:
         # Tile metadata is a chain of dependent loads (tile -> segment -> block table,
         # lengths, tokens). Run it two tiles ahead, so every load a tile issues has an
         # address known when the tile starts: level 1 (segment, entry range) for tile
@@ -266,6 +303,43 @@ def _kvouter_partials_kernel(
             seg, e0, e1 = n_seg, n_e0, n_e1
             tok, page, kv_len, pos_base = n_tok, n_page, n_kv_len, n_pos_base
             n_seg, n_e0, n_e1 = nn_seg, nn_e0, nn_e1
+    elif LOOP == 2:
+        # Resident K/V: a slice holds runs of consecutive tiles of one segment (thousands of
+        # tiles per segment at long prompts), so each run loads its K/V block once and
+        # streams the runs' query tiles past it. The inner loop's loads (entry tokens, then
+        # the gathered queries) follow from its induction variable alone, so num_stages can
+        # pipeline them, and the loop-invariant K/V operands stay in shared memory.
+        tile = t_lo
+        while tile < t_hi:
+            seg = tl.load(tile_seg_ptr + tile)
+            e_first = tl.load(tile_start_ptr + tile)
+            seg_end = tl.load(seg_offsets_ptr + seg + 1)
+            run = tl.minimum(t_hi - tile, (seg_end - e_first + tile_q - 1) // tile_q)
+            g = seg // nbg
+            gb = seg % nbg
+            seq = gb // max_blocks
+            blk = gb - seq * max_blocks
+            kv_len = tl.load(kvlen_ptr + seq)
+            # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
+            pos_base = kv_len - tl.load(cu_ptr + seq + 1)
+            k_pos = blk * BS + offs_n
+            page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0)
+            b_kt, b_v = _load_kv(
+                k_ptr, v_ptr, g, blk, page.to(tl.int64), kv_len,
+                stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
+                offs_d, offs_n, q_ptr.dtype.element_ty, D, BS, PS, UPCAST, WIDEN_K,
+            )
+            for i in range(0, run):
+                e0 = e_first + i * tile_q
+                e1 = tl.minimum(e0 + tile_q, seg_end)
+                e_row = e0 + r_tok
+                tok = tl.load(entry_token_ptr + e_row, mask=e_row < e1, other=0)
+                _attend_rows(
+                    q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v, g, blk, e0, e1, tok, kv_len, pos_base,
+                    stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
+                    G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8,
+                )
+            tile += run
     else:
         # Everything derived from the induction variable: Triton's software pipeliner
         # (num_stages) may then stage the dependent loads across iterations itself.
@@ -315,7 +389,7 @@ def kvouter_partials_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     maxnreg: int | None = None,
-    prefetch: bool | None = None,
+    loop: str | None = None,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,8 +429,10 @@ def kvouter_partials_triton(
         num_stages = ATTN_CONFIG["num_stages"]
     if maxnreg is None:
         maxnreg = ATTN_CONFIG["maxnreg"]
-    if prefetch is None:
-        prefetch = ATTN_CONFIG["prefetch"]
+    if loop is None:
+        loop = ATTN_CONFIG["loop"]
+    if loop not in LOOPS:
+        raise ValueError(f"loop: one of {sorted(LOOPS)}, got {loop!r}")
     extra = {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
     # rounded operands give the GPU kernel's result.
@@ -392,6 +468,7 @@ def kvouter_partials_triton(
         index.max_blocks,
         cap * group,
         sched.num_programs,
+        sched.tile_q,
         float(softmax_scale) * LOG2E,
         scales if scales is not None else partial_m,
         G=group,
@@ -404,7 +481,7 @@ def kvouter_partials_triton(
         CAUSAL=bool(causal),
         PREC="ieee" if q.dtype == torch.float32 or upcast else None,
         UPCAST=upcast,
-        PREFETCH=bool(prefetch),
+        LOOP=LOOPS[loop],
         FILL=FILL_ROWS,
         Q_FP8=q_fp8,
         KV_FP8=kv_fp8,

@@ -43,6 +43,15 @@ FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 SCALE = 0.25
 LSE_TOL = TOLERANCES[torch.float32]
+# Hopper's fp8 MMA adds its products into an accumulator narrower than fp32 (measured on the
+# H200: 1.1-1.6e-5 relative RMS on the lse against the exact scores of the same fp8 values),
+# so a kernel that runs Q @ K^T on fp8 tensor cores gets a looser lse bound. A masking or
+# scaling error moves the lse by 1e-2 or more.
+LSE_TOL_FP8_MMA = 1e-4
+
+
+def lse_tol(q: torch.Tensor, impl: str = "triton") -> float:
+    return LSE_TOL_FP8_MMA if q.dtype == FP8 and impl == "triton" and HAS_CUDA else LSE_TOL
 # The oracle sees the dequantized values exactly; P @ V in bf16 and bf16 partials add a few
 # bf16 roundings on top of a plain bf16 run.
 FP8_TOL = {torch.bfloat16: 2 * TOLERANCES[torch.bfloat16], torch.float16: 2 * TOLERANCES[torch.float16]}
@@ -126,7 +135,7 @@ def test_fp8_caches(op, impl, causal, fp8_q, monkeypatch):
     assert out.dtype == torch.bfloat16
     ref_o, ref_lse = oracle(batch, q_ref, k8.float() * ks, v8.float() * vs, sel, causal, op=op)
     assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, LSE_TOL)
+    assert_close("lse", ref_lse, lse, lse_tol(q_in, impl))
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -147,7 +156,7 @@ def test_tensor_scales_fp16_output_and_slices(op, impl, monkeypatch):
     assert out.dtype == torch.float16
     ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel, op=op)
     assert_close("out", ref_o, out, FP8_TOL[torch.float16])
-    assert_close("lse", ref_lse, lse, LSE_TOL)
+    assert_close("lse", ref_lse, lse, lse_tol(q8, impl))
 
 
 @pytest.mark.parametrize("op", ["kvouter", "decode", "dense"])
@@ -160,7 +169,7 @@ def test_torch_and_triton_agree(op, monkeypatch):
     o_t, l_t = run(batch, q8, k8, v8, sel, "torch", monkeypatch, **kw)
     o_k, l_k = run(batch, q8, k8, v8, sel, "triton", monkeypatch, **kw)
     assert_close("triton vs torch", o_t.float(), o_k.float(), 2 * FP8_TOL[torch.bfloat16])
-    assert_close("lse triton vs torch", l_t, l_k, LSE_TOL)
+    assert_close("lse triton vs torch", l_t, l_k, lse_tol(q8))
 
 
 def test_default_scales_are_one(monkeypatch):
@@ -253,4 +262,4 @@ def test_fp8_q_with_a_head_dim_below_the_fp8_mma_depth(impl, monkeypatch):
     out, lse = run(batch, q8, k8, v8, sel, impl, monkeypatch, q_scale=qs, k_scale=ks, v_scale=vs)
     ref_o, ref_lse = oracle(batch, q8.float() * qs, k8.float() * ks, v8.float() * vs, sel)
     assert_close("out", ref_o, out, FP8_TOL[torch.bfloat16])
-    assert_close("lse", ref_lse, lse, LSE_TOL)
+    assert_close("lse", ref_lse, lse, lse_tol(q8, impl))

@@ -185,7 +185,7 @@ def test_key_splits_decode_strided_no_lse(num_splits):
 
 
 def test_default_splits_follow_the_shapes():
-    cpu = torch.device("cpu")  # stands for a 4-SM device: 8 programs wanted
+    cpu = torch.device("cpu")  # stands for a 4-SM device: 16 programs wanted
     # Prefill fills the programs: no split.
     assert tda.default_num_splits(4096, 1, 4, 1, 4096, cpu) == 1
     # One decode token on 1 kv head: 8 splits, if the capacity has 8 x min_key_tiles key tiles.

@@ -66,7 +66,7 @@ def _device_batch(batch):
     }
 
 
-def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, prefetch=None):
+def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, loop=None):
     q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     kw = _device_batch(batch)
     max_blocks = -(-batch.capacity // block_size)
@@ -75,7 +75,7 @@ def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_pr
     with poisoned_allocations():
         got = tkv.kvouter_partials_triton(
             q, k, v, index, sched, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size,
-            prefetch=prefetch,
+            loop=loop,
         )
     ref = m3_sparse.kvouter_partials(q, k, v, index, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size)
     return index, got, ref
@@ -112,15 +112,15 @@ PARTIAL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
+@pytest.mark.parametrize("loop", list(tkv.LOOPS))
 @pytest.mark.parametrize("hq,hkv,page_size,block_size,dtype,causal,tile_q,num_programs", PARTIAL_CASES)
-def test_partials_match_torch(hq, hkv, page_size, block_size, dtype, causal, tile_q, num_programs, prefetch):
+def test_partials_match_torch(hq, hkv, page_size, block_size, dtype, causal, tile_q, num_programs, loop):
     seed = hq * 100 + page_size + block_size
     # Ragged: one sequence shorter than a block, one exactly a block, several blocks.
     seqs = [(block_size // 2 + 1, 5), (block_size, block_size // 2), (3 * block_size + 3, 6)]
     batch, q, k, v, sel = _setup(seed, seqs, page_size, block_size, hq, hkv, 16, 4, dtype, causal)
     tile_q = tile_q or tkv.default_tile_q(hq // hkv)
-    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, causal, 0.3, tile_q, num_programs, prefetch)
+    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, causal, 0.3, tile_q, num_programs, loop)
     assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
     _check_partials(index, got, ref, dtype)
 
@@ -139,15 +139,15 @@ def test_partials_all_slots_empty():
 
 if HAS_CUDA:
 
-    @pytest.mark.parametrize("prefetch", [False, True], ids=["staged", "prefetch"])
+    @pytest.mark.parametrize("loop", list(tkv.LOOPS))
     @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
     @pytest.mark.parametrize("page_size", [64, 128])
     @pytest.mark.parametrize("causal", [True, False])
-    def test_partials_match_torch_cuda(hq, hkv, page_size, causal, prefetch):
+    def test_partials_match_torch_cuda(hq, hkv, page_size, causal, loop):
         seqs = [(1000, 300), (77, 77), (129, 1), (640, 128)]
         batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16, causal)
         index, got, ref = _run_partials(
-            batch, q, k, v, sel, 128, causal, 128**-0.5, tkv.default_tile_q(hq // hkv), 132, prefetch
+            batch, q, k, v, sel, 128, causal, 128**-0.5, tkv.default_tile_q(hq // hkv), 132, loop
         )
         _check_partials(index, got, ref, torch.bfloat16)
 

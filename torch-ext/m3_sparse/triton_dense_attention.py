@@ -49,7 +49,7 @@ BLOCK_M = 64
 BLOCK_N = 64
 # Key splits: enough (tile, kv head, split) programs for about `programs_per_sm` per SM,
 # each with at least `min_key_tiles` key tiles of the block table's capacity.
-SPLIT_CONFIG = {"programs_per_sm": 2, "min_key_tiles": 8}
+SPLIT_CONFIG = {"programs_per_sm": 4, "min_key_tiles": 8}
 
 
 @triton.jit
