@@ -460,7 +460,7 @@ def main():
     ap.add_argument("--then-run", action="store_true", help="after --tune, run the benchmark with the best variants")
     ap.add_argument("--tune-patterns", default="hot", help="selection patterns of --tune")
     ap.add_argument("--run-sizes", default=None, help="sizes of the run after --tune (default 8K,32K,128K)")
-    ap.add_argument("--attn-variants", default="8:8:3:1:0:0,8:8:3:1:0:1,8:8:1:2:0:1,8:8:1:2:128:1,4:4:3:2:0:0,4:4:1:4:0:1",
+    ap.add_argument("--attn-variants", default="4:4:1:4:0:2,4:4:2:4:0:2,4:4:3:4:0:2,8:8:2:2:0:2,4:4:2:4:0:1,4:4:2:4:0:0",
                     help="tile_q:num_warps:num_stages:programs_per_sm:maxnreg (0 = none):loop (0 staged, 1 prefetch, "
                          "2 resident),... (tile_q for G = 16)")
     ap.add_argument("--comb-variants", default="8:4,16:4,16:2,32:8", help="rows:num_warps,...")

@@ -123,8 +123,9 @@ def _load_kv(
     k_pos = blk * BS + offs_n
     slot = k_pos % PS
     kv_mask = (k_pos < kv_len)[:, None] & (offs_d < D)[None, :]
-    # K is loaded as K^T so that the dot takes it as is: a transpose at the dot kept the
-    # shared-memory copy of K inside a loop over query tiles (V's was hoisted).
+    # K is loaded as K^T so that the dot takes it as is: with a transpose at the dot, a
+    # software-pipelined loop over query tiles kept the shared-memory copy of K inside it
+    # (V's was hoisted).
     p_kt = k_ptr + (page * stride_kp + g * stride_kh + slot * stride_ks)[None, :] + offs_d[:, None]
     p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
     b_kt = tl.load(p_kt, mask=tl.trans(kv_mask), other=0.0)  # [BD, BS]
@@ -307,8 +308,8 @@ def _kvouter_partials_kernel(
         # Resident K/V: a slice holds runs of consecutive tiles of one segment (thousands of
         # tiles per segment at long prompts), so each run loads its K/V block once and
         # streams the runs' query tiles past it. The inner loop's loads (entry tokens, then
-        # the gathered queries) follow from its induction variable alone, so num_stages can
-        # pipeline them, and the loop-invariant K/V operands stay in shared memory.
+        # the gathered queries) follow from its induction variable alone, so num_stages > 1
+        # can pipeline them, and the loop-invariant K/V operands stay in shared memory.
         tile = t_lo
         while tile < t_hi:
             seg = tl.load(tile_seg_ptr + tile)

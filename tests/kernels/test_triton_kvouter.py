@@ -159,6 +159,62 @@ if HAS_CUDA:
         _check_partials(index, got, ref, torch.float16)
 
 
+RESIDENT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from m3_sparse import triton_kvouter as tkv
+
+k = tkv._kvouter_partials_kernel
+cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
+          LOOP=tkv.LOOPS["resident"], FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False)
+names = list(k.arg_names)
+ptrs = {n for n in names if n.endswith("_ptr")}
+types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "po_ptr": "*bf16", "pm_ptr": "*fp32",
+         "pl_ptr": "*fp32", "scale_ptr": "*fp32"}
+sig = {n: "constexpr" if n in cx else types.get(n, "*i32") if n in ptrs else "fp32" if n == "qk_scale" else "i32"
+       for n in names}
+# The launcher's strides at M3 shapes are multiples of 16, which Triton's runtime specializes on.
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ptrs or n.startswith("stride")}
+src = ASTSource(k, sig, {(names.index(a),): v for a, v in cx.items()}, attrs)
+c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": int(sys.argv[2])})
+print("RESULT " + json.dumps({"ttgir": c.asm["ttgir"]}))
+"""
+
+
+def _region(lines, start):
+    """Lines of the op opened at ``lines[start]``: until the first line indented no deeper,
+    past the ``} do {`` (and block label) between a while loop's two regions."""
+    depth = len(lines[start]) - len(lines[start].lstrip())
+    end = start + 1
+    while end < len(lines) and (
+        len(lines[end]) - len(lines[end].lstrip()) > depth or lines[end].lstrip().startswith(("} do", "^bb"))
+    ):
+        end += 1
+    return lines[start:end]
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_resident_loop_keeps_kv_out_of_the_inner_loop(num_stages):
+    """The resident loop's point: a run's K^T and V go to shared memory once, outside the loop
+    over its query tiles. A change that moves a K/V copy back into the loop (a transpose at
+    the dot did, under the software pipeliner) still gives correct results, so only the
+    compiled IR (sm_90, the launcher's M3 config and a pipelined one) shows it."""
+    from kernel_test_utils import aot_compile
+
+    lines = aot_compile(RESIDENT_SCRIPT, str(num_stages))["ttgir"].splitlines()
+    w = next(i for i, x in enumerate(lines) if "scf.while" in x)
+    body = _region(lines, w)
+    f = next(i for i, x in enumerate(body) if "scf.for" in x)
+    inner = _region(body, f)
+    kv_copies = [x for x in body[:f] if "ttg.local_alloc %" in x and "tensor<128x128x" in x]
+    assert len(kv_copies) == 2, "expected K^T and V copied to shared memory once per run:\n" + "\n".join(kv_copies)
+    in_loop = [x for x in inner if "ttg.local_alloc %" in x and "tensor<128x128x" in x]
+    assert not in_loop, "a K/V shared-memory copy inside the loop over query tiles:\n" + "\n".join(in_loop)
+
+
 # --------------------------------------------------------------------------- combine
 
 
