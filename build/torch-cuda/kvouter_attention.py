@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import FP8_DTYPES, check_kv, check_positive_int, check_scale, check_varlen
+from ._launch import fp8_flags
+from ._validate import check_kv, check_positive_int, check_scale, check_varlen
 from .kvouter_index import KVOuterIndex
 from .layout import token_positions
 
@@ -78,9 +79,7 @@ def kvouter_partials(
     before P @ V when the inputs are fp8.
     """
     validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size)
-    if scales is None and any(t.dtype in FP8_DTYPES for t in (q, k_cache)):
-        raise ValueError("scales: fp8 inputs need their dequantization scales (see kvouter_attention)")
-    out_dtype = out_dtype or q.dtype
+    _, _, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     page_size = k_cache.shape[2]

@@ -107,8 +107,7 @@ def kvouter_attention(
     triton = use_triton(q, kvouter_unsupported(q, k_cache, block_size, v_cache))
     budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
     slots = selected.shape[1] * selected.shape[2]
-    partial_bytes = torch.empty((), dtype=out_dtype).element_size()
-    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, partial_bytes, budget)
+    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, out_dtype.itemsize, budget)
     stage_args = dict(
         softmax_scale=scale,
         causal=causal,
