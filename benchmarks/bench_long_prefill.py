@@ -100,8 +100,29 @@ def measure(n, budget, dense_max, fp8=False):
     return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense, fp8=fp8)
 
 
+# Kernel name -> stage, for the per-budget breakdown.
+STAGES = (
+    ("_chunk_rank_kernel", "build"),
+    ("_chunk_scan_kernel", "build"),
+    ("_scatter_kernel", "build"),
+    ("_emit_tiles_kernel", "schedule"),
+    ("_kvouter_partials_kernel", "partials"),
+    ("_combine_kernel", "combine"),
+)
+
+
+def _stage(name):
+    for key, stage in STAGES:
+        if key in name:
+            return stage
+    return "other"
+
+
 def profile(n, budgets, out_dir):
-    """Kernel-time breakdown of the attention call alone (selections precomputed) per budget."""
+    """GPU time of the attention call alone (selections precomputed) per workspace budget,
+    summed over kernels by stage. A small budget is a query-window order: each slice of
+    rows runs its partials and then its combine while its partials may still sit in L2,
+    at the price of reloading every K/V block once per slice that selects it."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     p = make_inputs(n)
@@ -109,6 +130,8 @@ def profile(n, budgets, out_dir):
         p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
         max_seqlen_q=n,
     )
+    per_row = HKV * TOPK * (HQ // HKV) * (D * 2 + 8)
+    rows = []
     for budget in budgets:
         call = lambda: m3_sparse.kvouter_attention(  # noqa: E731
             p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
@@ -116,13 +139,32 @@ def profile(n, budgets, out_dir):
         )
         call()
         torch.cuda.synchronize()
+        wall = bench_slow(call)
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             call()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        ms = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None)
+            if t is None:
+                t = ev.cuda_time_total
+            if t:
+                ms[_stage(ev.key)] = ms.get(_stage(ev.key), 0.0) + t / 1e3
         name = "unbounded" if budget >= 1 << 49 else f"{budget / GIB:g}GiB"
-        print(f"\n## attention only, {n} tokens, budget {name}\n{table}", flush=True)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
         (Path(out_dir) / f"profile_{n}_{name}.txt").write_text(table)
+        window = min(n, max(1, budget // per_row))
+        rows.append(dict(budget=name, window=window, slices=-(-n // window), wall=wall, **ms))
+        print(rows[-1], flush=True)
+    (Path(out_dir) / f"profile_{n}.json").write_text(json.dumps(rows, indent=1))
+    cols = ("build", "schedule", "partials", "combine", "other")
+    print(f"\n## attention only, {n} tokens: GPU ms by stage per workspace budget (query window)\n")
+    print("| budget | rows per slice | slices | " + " | ".join(cols) + " | GPU total | wall ms |")
+    print("|---|---|---|" + "---|" * (len(cols) + 2))
+    for r in rows:
+        gpu = sum(r.get(c, 0.0) for c in cols)
+        vals = " | ".join(f"{r.get(c, 0.0):.2f}" for c in cols)
+        print(f"| {r['budget']} | {r['window']} | {r['slices']} | {vals} | {gpu:.2f} | {r['wall']:.2f} |")
 
 
 def main():
@@ -131,12 +173,16 @@ def main():
     ap.add_argument("--budgets", default="1,2,4,8,unbounded", help="GiB budgets swept at 128K")
     ap.add_argument("--dense-max", type=int, default=131072)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--profile", action="store_true", help="only the kernel-time breakdown at 128K, 4 GiB vs unbounded")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the attention call's GPU time by stage at 128K, per --profile-budgets")
+    ap.add_argument("--profile-budgets", default="4,unbounded",
+                    help="GiB budgets for --profile (small ones give query windows whose partials fit in L2)")
     ap.add_argument("--fp8", action="store_true", help="also run every row with fp8 q/K/V and fp8 index keys")
     args = ap.parse_args()
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        profile(131072, [4 * GIB, 1 << 50], args.out)
+        budgets = [1 << 50 if b == "unbounded" else int(float(b) * GIB) for b in args.profile_budgets.split(",")]
+        profile(131072, budgets, args.out)
         return
     rows = []
     default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES
