@@ -237,6 +237,39 @@ def bench_graph(fn, rep_ms: int = 100) -> float:
     return t
 
 
+def bench_graph_amortized(fn, calls: int = 20, reps: int = 15) -> float:
+    """Median microseconds per call inside one graph of ``calls`` calls, each after a
+    256 MB L2 flush, minus a graph of the flushes alone: what a call costs inside a
+    captured decode step (launch gaps included, the one-off graph launch not)."""
+    if SMOKE:
+        return bench(fn)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+
+    def many(with_call):
+        def run():
+            for _ in range(calls):
+                flush.zero_()
+                if with_call:
+                    fn()
+        return graph_of(run)
+
+    def timed(graph):
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    g_both, g_flush = many(True), many(False)
+    t = (timed(g_both) - timed(g_flush)) / calls
+    del g_both, g_flush, flush
+    return t
+
+
 KVOUTER_GRAPH = {"ok": True, "why": ""}
 
 
@@ -346,12 +379,13 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
     st = reuse_stats(p)
     fl = floor_us(p, st)
     ref = kernel_call(p)()
-    lines = ["| block_n | warps | stages | programs/SM | splits | graph us | x floor | kernel |", "|" + "---|" * 8]
+    lines = ["| block_n | warps | stages | programs/SM | merge | splits | graph us | x floor | in-graph us | x floor | "
+             "kernel |", "|" + "---|" * 11]
     best, best_t = None, float("inf")
     saved = dict(tdec.DECODE_CONFIG)
     for var in args.variants:
-        bn, w, s_, pps = var
-        tdec.DECODE_CONFIG.update(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps)
+        bn, w, s_, pps, fused = var
+        tdec.DECODE_CONFIG.update(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused))
         splits = tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
         fn = kernel_call(p)
         try:
@@ -361,12 +395,16 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
                 raise RuntimeError(f"differs from the default launch by {diff:.2e}")
             info = kernel_info(tdec._decode_split_kernel)
             t = bench_graph(fn)
+            ta = bench_graph_amortized(fn)
         except Exception as e:  # noqa: BLE001
-            t, info = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-        lines.append(f"| {bn} | {w} | {s_} | {pps} | {splits} | {t:.1f} | {t / fl:.2f} | {info} |")
+            t = ta = float("nan")
+            info = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        merge = "in place" if fused and splits > 1 else "kernel" if splits > 1 else "-"
+        lines.append(f"| {bn} | {w} | {s_} | {pps} | {merge} | {splits} | {t:.1f} | {t / fl:.2f} | {ta:.1f} | "
+                     f"{ta / fl:.2f} | {info} |")
         log(lines[-1])
         if t < best_t:
-            best, best_t = dict(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps), t
+            best, best_t = dict(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused)), t
     tdec.DECODE_CONFIG.clear()
     tdec.DECODE_CONFIG.update(saved)
     log(f"  floor {fl:.1f} us; best {best} at {best_t:.1f} us")
@@ -390,6 +428,7 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
     tdec.DECODE_CONFIG.update(best_cfg)
     r["decode_eager"] = bench(decode_call(p))
     r["decode_graph"] = bench_graph(decode_call(p))
+    r["decode_in_graph"] = bench_graph_amortized(decode_call(p))
     r["splits"] = tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
     r["kvouter_eager"] = bench(kvouter_call(p))
     r["kvouter_graph"] = bench_kvouter_graph(kvouter_call(p))
@@ -402,6 +441,7 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
         r["err_fp8"] = check(p, out, lse)
         del out, lse
         r["decode_fp8_graph"] = bench_graph(decode_fp8_call(p8))
+        r["decode_fp8_in_graph"] = bench_graph_amortized(decode_fp8_call(p8))
         r["floor_fp8"] = (st["keys"] * D * 2 + 2 * p["q"].numel() * 2) / PEAK_BYTES * 1e6
         log(f"  (a) fp8 K/V: decode {r['decode_fp8_graph']:.1f} us graph | floor {r['floor_fp8']:.1f} us | "
             f"err vs bf16 inputs {r['err_fp8']:.1e}")
@@ -459,28 +499,32 @@ def fmt(x, nd=1):
 
 def table_a(rows: list[dict]) -> str:
     lines = [
-        "| ctx | page | B | decode graph us | decode eager us | default config graph us | splits | KV-outer eager us | "
-        "KV-outer graph us | dense SDPA us (backend) | floor us | decode graph / floor | KV-outer / decode (graph) | "
-        "err |",
-        "|" + "---|" * 14,
+        "| ctx | page | B | decode graph us | decode in-graph us | decode eager us | default config graph us | splits | "
+        "KV-outer eager us | KV-outer graph us | dense SDPA us (backend) | floor us | decode graph / floor | "
+        "in-graph / floor | KV-outer / decode (graph) | err |",
+        "|" + "---|" * 16,
     ]
     for r in rows:
         kvg = r.get("kvouter_graph")
         lines.append(
-            f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_graph'])} | {fmt(r['decode_eager'])} | "
+            f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_graph'])} | {fmt(r['decode_in_graph'])} | "
+            f"{fmt(r['decode_eager'])} | "
             f"{fmt(r['decode_default_graph'])} | {r['splits']} | {fmt(r['kvouter_eager'])} | {fmt(kvg)} | "
             f"{fmt(r.get('dense'))} ({r.get('dense_backend', '-')}) | {fmt(r['floor'])} | "
-            f"{r['decode_graph'] / r['floor']:.2f} | {fmt(kvg / r['decode_graph'] if kvg else None, 2)} | "
+            f"{r['decode_graph'] / r['floor']:.2f} | {r['decode_in_graph'] / r['floor']:.2f} | "
+            f"{fmt(kvg / r['decode_graph'] if kvg else None, 2)} | "
             f"{max(r['err_decode'], r['err_kvouter']):.1e} |"
         )
     fp8 = [r for r in rows if "decode_fp8_graph" in r]
     if fp8:
-        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | fp8 floor us | / floor | err vs bf16 inputs |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | in-graph us | fp8 floor us | graph / floor | "
+                  "in-graph / floor | err vs bf16 inputs |", "|" + "---|" * 9]
         for r in fp8:
             lines.append(
-                f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | {fmt(r['floor_fp8'])} | "
-                f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['err_fp8']:.1e} |"
+                f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | "
+                f"{fmt(r['decode_fp8_in_graph'])} | {fmt(r['floor_fp8'])} | "
+                f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['decode_fp8_in_graph'] / r['floor_fp8']:.2f} | "
+                f"{r['err_fp8']:.1e} |"
             )
     return "\n".join(lines)
 
@@ -504,21 +548,24 @@ def table_b(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_variants(s: str) -> list[tuple[int, int, int, int]]:
+def parse_variants(s: str) -> list[tuple[int, int, int, int, int]]:
     out = []
     for item in s.split(","):
         if item:
             vals = tuple(int(x) for x in item.split(":"))
-            if len(vals) != 4:
-                raise SystemExit(f"--variants: expected block_n:warps:stages:programs_per_sm, got {item!r}")
+            if len(vals) == 4:
+                vals += (1,)
+            if len(vals) != 5:
+                raise SystemExit(f"--variants: expected block_n:warps:stages:programs_per_sm[:fused], got {item!r}")
             out.append(vals)
     return out
 
 
 DEFAULT_VARIANTS = (
-    # block_n:num_warps:num_stages:programs_per_sm; at batch 32 x 4 kv heads, programs per
-    # SM 1 / 2 / 4 / 8 give 2 / 4 / 8 / 16 splits (at most 2 chunks of block_n keys each)
-    "64:4:3:1,64:4:3:2,64:4:3:4,64:4:3:8,"
+    # block_n:num_warps:num_stages:programs_per_sm[:fused merge 1/0]; at batch 32 x 4 kv
+    # heads, programs per SM 1 / 2 / 4 / 8 give 2 / 4 / 8 / 16 splits (at most 2 chunks of
+    # block_n keys each)
+    "64:4:3:1,64:4:3:1:0,64:4:3:2,64:4:3:4,64:4:3:4:0,64:4:3:8,"
     "64:4:2:4,64:4:4:4,64:8:3:4,"
     "32:4:3:8,32:4:4:8,"
     "128:4:2:2,128:4:2:4,128:8:2:4,128:4:3:4"
@@ -536,7 +583,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8192, help="(b) skips batch variants with more query tokens")
     ap.add_argument("--pattern", default="random", choices=("random", "hot"))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="launch sweep: block_n:warps:stages:programs_per_sm,...")
+                    help="launch sweep: block_n:warps:stages:programs_per_sm[:fused merge 1/0],...")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="keep DECODE_CONFIG, skip the sweep")
     ap.add_argument("--no-dense", dest="dense", action="store_false", help="skip dense SDPA")
     ap.add_argument("--no-crossover", dest="crossover", action="store_false", help="skip (b)")
@@ -547,7 +594,7 @@ def main():
     if args.quick:
         args.contexts, args.page_sizes, args.batch = "4096", "128,64", 4
         args.q_tokens, args.batch_variants, args.max_tokens = "1,16,64", "4", 256
-        args.variants = "64:4:3:4,128:4:2:2"
+        args.variants = "64:4:3:4,64:4:3:4:0,128:4:2:2"
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
     args.page_sizes = [int(x) for x in args.page_sizes.split(",") if x]
     args.q_tokens = [int(x) for x in args.q_tokens.split(",") if x]

@@ -248,12 +248,57 @@ def sweep_fp8(args, g):
     del cache, codes
 
 
+def sweep_decode(args, g):
+    """Decode, batch 32: score orientation (key-major K @ Q^T vs Q @ K^T), warps and
+    pipeline stages, for bf16 keys, fp8 keys widened to bf16, and fp8 keys with the fp8 dot."""
+    batch = 2 if SMOKE else 32
+    variants = [(True, 4, 3), (False, 4, 3), (True, 4, 4), (True, 4, 6), (True, 4, 8), (True, 8, 6), (True, 2, 4),
+                (False, 2, 4), (False, 4, 6)]
+    for ctx in [1024] if SMOKE else [131072, 32768]:
+        iq = torch.randn(batch, HEADS, DIM, generator=g).to(DEV, torch.bfloat16)
+        keys = [torch.randn(ctx, DIM, generator=g).to(DEV, torch.bfloat16) for _ in range(batch)]
+        cache, tables = paged(keys, args.page_size, g)
+        del keys
+        codes, scale = quantize_e4m3(cache)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        kv = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+        floor = batch * ctx * DIM * 2 / HBM_BW
+        log(f"## sweep: decode batch {batch} x ctx {ctx} (bf16 floor {floor * 1e6:.0f} us, fp8 floor "
+            f"{floor * 5e5:.0f} us)")
+        log("| keys | key-major | warps | stages | graph us | x its floor |")
+        log("|---|---|---|---|---|---|")
+        for mode in ("bf16", "fp8", "fp8 dot"):
+            k_in, extra = (cache, {}) if mode == "bf16" else (codes, dict(index_k_scale=scale, fp8_dot=mode == "fp8 dot"))
+            fl = floor if mode == "bf16" else floor / 2
+            ref = None
+            for km, nw, ns in variants:
+                fn = lambda: run_triton(iq, k_in, tables, cu, kv, 1, key_major=km, num_warps=nw, num_stages=ns, **extra)  # noqa: E731
+                try:
+                    sel = canon(fn())
+                    if ref is None:
+                        ref = sel
+                    differ = float((sel != ref).any(-1).float().mean())
+                    # The fp8 MMA's accumulation order depends on the tile shape: near-ties
+                    # may swap between variants there, nowhere else.
+                    if differ and mode != "fp8 dot":
+                        raise RuntimeError(f"selection differs from the first variant in {differ:.1e} of the rows")
+                    t = bench_graph(fn)
+                    note = f" ({differ:.1e} of rows differ from the first variant)" if differ else ""
+                    log(f"| {mode} | {km} | {nw} | {ns} | {t * 1e3:.1f} | {t * 1e-3 / fl:.2f}{note} |")
+                except Exception as e:  # noqa: BLE001
+                    log(f"| {mode} | {km} | {nw} | {ns} | failed: {type(e).__name__}: {str(e)[:120]} | - |")
+        del cache, codes, scale
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time several launch configurations first")
     ap.add_argument("--fp8", action="store_true", help="also fp8 (e4m3 + per-token scale) index keys")
     ap.add_argument("--quick", action="store_true", help="8K/32K prefill and 32K decode only")
     ap.add_argument("--sweep-fp8", action="store_true", help="launch configurations of the fp8-dot prefill")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="decode launch configurations (score orientation, warps, stages), bf16 and fp8 keys")
+    ap.add_argument("--sweeps-only", action="store_true", help="run the requested sweeps, skip the main tables")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
@@ -270,6 +315,11 @@ def main():
         sweep(args, g)
     if args.sweep_fp8:
         sweep_fp8(args, g)
+    if args.sweep_decode:
+        sweep_decode(args, g)
+    if args.sweeps_only:
+        (out_dir / "bench_index.log").write_text("\n".join(LOG) + "\n")
+        return
     rows = []
     results = {}
 

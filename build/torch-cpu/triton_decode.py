@@ -27,9 +27,11 @@ traffic of KV-outer cost more than they save. Here each program owns one
   limit (its position when causal, the kv length otherwise) are masked.
 
 With one split the program writes the normalised output and lse itself. With
-several it writes its raw (m, l, o) in fp32 to a workspace ``[Tq * Hkv * S, G]``
-and ``_decode_combine_kernel`` merges the splits by their max:
-``M = max m_s``, ``a_s = 2^(m_s - M)``, ``out = sum a_s o_s / sum a_s l_s``.
+several it writes its raw (m, l, o) in fp32 to a workspace ``[Tq * Hkv * S, G]``,
+and the splits are merged by their max: ``M = max m_s``, ``a_s = 2^(m_s - M)``,
+``out = sum a_s o_s / sum a_s l_s``. By default the split that finishes last for
+its (token, kv head) (an arrival count per pair) does the merge in the same launch;
+``fused_merge=False`` leaves it to ``_decode_combine_kernel``, a second launch.
 
 The split count comes from shapes only (enough programs to cover the GPU a few
 times over); no device value is read on the host, so a call can be captured in a
@@ -58,6 +60,9 @@ DECODE_CONFIG = {
     "num_stages": 3,
     "programs_per_sm": 1,  # H200 sweep, batch 32 x 128K: 2 splits 50.8 us, 8 splits 56.7 us
     "min_chunks_per_split": 2,
+    # The last split of each (token, kv head) merges the splits in the same launch;
+    # False: a second kernel merges them (merge_splits).
+    "fused_merge": True,
 }
 # Partial values (splits x heads x head dim) one combine program merges: 8 splits of
 # 8 heads at D = 128, loaded all at once (64 registers a thread at 4 warps).
@@ -84,6 +89,9 @@ def _decode_split_kernel(
     o_ptr,
     m_ptr,
     l_ptr,
+    out_ptr,
+    lse_ptr,
+    cnt_ptr,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -113,6 +121,7 @@ def _decode_split_kernel(
     TOPK_P2: tl.constexpr,
     CAUSAL: tl.constexpr,
     FINAL: tl.constexpr,
+    MERGE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
     SEQ_STEPS: tl.constexpr,
@@ -124,8 +133,11 @@ def _decode_split_kernel(
     PV_DT: tl.constexpr,
 ):
     """One (token, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
-    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace. fp8 inputs: the q and
-    k scales fold into qk_scale, V is widened to PV_DT (the output dtype) for P @ V."""
+    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace, and with MERGE the
+    split that finishes last for its (token, kv head) merges all of them into
+    ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: zeroed int32 [Tq * Hkv] arrival counts).
+    fp8 inputs: the q and k scales fold into qk_scale, V is widened to PV_DT (the
+    output dtype) for P @ V."""
     CPB: tl.constexpr = BS // BN  # key chunks per block
     ONE_PAGE: tl.constexpr = BN <= PS  # a chunk never straddles pages (both powers of two)
     PPB: tl.constexpr = BS // PS if BS > PS else 1  # pages per block
@@ -249,10 +261,48 @@ def _decode_split_kernel(
             tl.store(m_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
     else:
         # Workspace rows ((t * Hkv + g) * S + split) * G + r: one contiguous G x D run.
-        ws_row = ((t.to(tl.int64) * tl.num_programs(1) + g) * num_splits + split) * G + offs_r
+        pair = t.to(tl.int64) * tl.num_programs(1) + g
+        ws_row = (pair * num_splits + split) * G + offs_r
         tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(m_ptr + ws_row, m_i, mask=row_ok)
         tl.store(l_ptr + ws_row, l_i, mask=row_ok)
+        if MERGE:
+            # Saves the second launch and its fill and drain. The barrier orders every
+            # thread's stores before the release of the count; the split that sees
+            # S - 1 earlier arrivals reads all S partials back (past L1: they were
+            # written on other SMs) in split order, so the result does not depend on
+            # which split came last.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                row0 = pair * num_splits * G + offs_r  # [RP]
+                b_mx = tl.full([RP], float("-inf"), tl.float32)
+                for s in range(num_splits):
+                    b_m = tl.load(m_ptr + row0 + s * G, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    b_mx = tl.maximum(b_mx, b_m)
+                empty = b_mx == float("-inf")
+                m_safe = tl.where(empty, 0.0, b_mx)
+                b_l = tl.zeros([RP], tl.float32)
+                b_acc = tl.zeros([RP, BD], tl.float32)
+                for s in range(num_splits):
+                    row = row0 + s * G
+                    b_m = tl.load(m_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    b_ls = tl.load(l_ptr + row, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    b_o = tl.load(
+                        o_ptr + row[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                        cache_modifier=".cg",
+                    )  # [RP, BD]
+                    b_a = tl.exp2(b_m - m_safe)  # [RP]; 0 for a split that saw no key
+                    b_l += b_a * b_ls
+                    b_acc += b_a[:, None] * b_o
+                b_out = b_acc / tl.where(empty, 1.0, b_l)[:, None]
+                p_out = out_ptr + t.to(tl.int64) * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+                tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                if RETURN_LSE:
+                    b_lse = tl.where(
+                        empty, float("-inf"), (b_mx + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453
+                    )
+                    tl.store(lse_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
 
 
 @triton.jit
@@ -350,6 +400,7 @@ def run_decode_triton(
     num_stages=None,
     scales=None,
     out_dtype=None,
+    fused_merge=None,
 ):
     """The decode kernels on arguments already checked by ``interface.validate_kvouter``
     (``softmax_scale`` resolved, ``batch`` = number of sequences; fp8 inputs with
@@ -401,7 +452,9 @@ def run_decode_triton(
     # rounded operands give the GPU kernel's result.
     upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     final = num_splits == 1
+    merge = not final and bool(DECODE_CONFIG["fused_merge"] if fused_merge is None else fused_merge)
     seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
+    counts = None
     if final:
         o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
     else:
@@ -409,6 +462,9 @@ def run_decode_triton(
         o_buf = torch.empty(rows, d, dtype=torch.float32, device=device)
         m_buf = torch.empty(rows, dtype=torch.float32, device=device)
         l_buf = torch.empty(rows, dtype=torch.float32, device=device)
+        if merge:
+            # A memset node in a captured graph: every replay starts from zero counts.
+            counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
     _decode_split_kernel[(num_tokens, hkv, num_splits)](
         q,
         k_cache,
@@ -420,6 +476,9 @@ def run_decode_triton(
         o_buf,
         m_buf,
         l_buf,
+        out,
+        lse if lse is not None else out,
+        counts if counts is not None else m_buf,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -449,6 +508,7 @@ def run_decode_triton(
         TOPK_P2=max(2, next_pow2(topk)),
         CAUSAL=bool(causal),
         FINAL=final,
+        MERGE=merge,
         RETURN_LSE=bool(return_lse),
         SEQ_CHUNK=seq_chunk,
         SEQ_STEPS=-(-batch // seq_chunk),
@@ -461,7 +521,7 @@ def run_decode_triton(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if not final:
+    if not final and not merge:
         merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
     return out, lse
 
@@ -512,6 +572,7 @@ def sparse_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fused_merge: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``decode_attention.sparse_decode_attention`` on the Triton kernels whatever the
     device, with the launch choices exposed (tests, benchmarks)."""
@@ -537,6 +598,7 @@ def sparse_decode_attention_triton(
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
+        fused_merge=fused_merge,
     )
 
 

@@ -35,6 +35,9 @@ By default the keys are widened to the query dtype before the dot (half the
 key bytes, the query exact). With ``fp8_dot`` the query rows are quantized to
 e4m3 in the kernel too (a positive per-row factor does not change a row's
 ranking, so it is never applied back) and the dot runs on the fp8 tensor cores.
+In decode (row tiles of at most 32 rows) that dot is taken key-major, ``K @ Q^T``:
+the 128-key tile becomes the MMA's M, so Hopper's warpgroup MMA reads the fp8 keys
+from shared memory as they arrived, where a 16-row M would not qualify for it.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ PROGRAMS_PER_SM = 8
 # the table reads and the merge's share).
 MIN_CHUNKS_PER_SPLIT = 2
 MAX_SPLITS = 128
+# With fp8 keys and the fp8 dot, row tiles up to this height (decode) are scored
+# key-major (K @ Q^T: the key tile is the MMA's M), with a deeper key pipeline. H200,
+# batch 32 x 128K: 142 us against 205 us for Q @ K^T (the bf16 and widened-fp8 paths
+# gain nothing from it: 252 vs 255 us, and 345 vs 209 us; docs/PERF.md).
+KEY_MAJOR_MAX_BM = 32
+KEY_MAJOR_STAGES = 6
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
@@ -125,9 +134,13 @@ def _score_chunk(
     DOT_FP32: tl.constexpr,
     FP8: tl.constexpr,
     K_CAST: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
     """Score key chunk ``c`` (CH keys = NBT blocks, or one block in TPB tiles)
-    and offer its blocks to the kept lists."""
+    and offer its blocks to the kept lists. KEY_MAJOR (NBT == 1 only): scores as
+    ``[BK, BM]`` = K @ Q^T, so that a short row tile (decode) sits in the MMA's N and
+    the key tile fills its M: Hopper's warpgroup MMA then takes the fp8 keys straight
+    from shared memory, where an M of 16 rows would fall back to the register path."""
     if NBT == 1:
         b_max1 = tl.full([BM], float("-inf"), tl.float32)
     else:
@@ -142,7 +155,6 @@ def _score_chunk(
             else:
                 page = tl.load(bt_row_ptr + k0 // PAGE).to(tl.int64)
             slot = (k0 % PAGE) + tl.arange(0, BK)
-            p_k = k_ptr + page * stride_kp + slot[None, :] * stride_ks + offs_d[:, None]  # [D, BK]
             if FP8:
                 p_s = ks_ptr + page * stride_sp + slot
         else:
@@ -151,32 +163,49 @@ def _score_chunk(
             else:
                 page = tl.load(bt_row_ptr + offs_k // PAGE).to(tl.int64)
             slot = offs_k % PAGE
-            p_k = k_ptr + page[None, :] * stride_kp + slot[None, :] * stride_ks + offs_d[:, None]  # [D, BK]
             if FP8:
                 p_s = ks_ptr + page * stride_sp + slot
+        if KEY_MAJOR:
+            p_k = k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :]  # [BK, D]
+            k_mask = (offs_k < key_hi)[:, None]
+        else:
+            p_k = k_ptr + (page * stride_kp + slot * stride_ks)[None, :] + offs_d[:, None]  # [D, BK]
+            k_mask = (offs_k < key_hi)[None, :]
         if MASKED:
-            k_ok = offs_k < key_hi
-            b_k = tl.load(p_k, mask=k_ok[None, :], other=0.0)
+            b_k = tl.load(p_k, mask=k_mask, other=0.0)
             if FP8:
-                b_ks = tl.load(p_s, mask=k_ok, other=0.0)
+                b_ks = tl.load(p_s, mask=offs_k < key_hi, other=0.0)
         else:
             b_k = tl.load(p_k)
             if FP8:
                 b_ks = tl.load(p_s)
-        if DOT_FP32:
-            b_s = tl.dot(b_q, b_k.to(tl.float32), input_precision="ieee")  # [BM, BK]
-        elif K_CAST:
-            b_s = tl.dot(b_q, b_k.to(b_q.dtype))  # [BM, BK]
+        if KEY_MAJOR:
+            if DOT_FP32:
+                b_s = tl.dot(b_k.to(tl.float32), tl.trans(b_q), input_precision="ieee")  # [BK, BM]
+            elif K_CAST:
+                b_s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))  # [BK, BM]
+            else:
+                b_s = tl.dot(b_k, tl.trans(b_q))  # [BK, BM]
+            if FP8:
+                b_s = b_s * b_ks[:, None]
+            if MASKED:
+                b_s = tl.where(offs_k[:, None] < cand_end[None, :], b_s, float("-inf"))
+            b_max1 = tl.maximum(b_max1, tl.max(b_s, axis=0))
         else:
-            b_s = tl.dot(b_q, b_k)  # [BM, BK]
-        if FP8:
-            b_s = b_s * b_ks[None, :]
-        if MASKED:
-            b_s = tl.where(offs_k[None, :] < cand_end[:, None], b_s, float("-inf"))
-        if NBT == 1:
-            b_max1 = tl.maximum(b_max1, tl.max(b_s, axis=1))
-        else:
-            b_maxn = tl.maximum(b_maxn, tl.max(tl.reshape(b_s, [BM, NBT, BLOCK]), axis=2))
+            if DOT_FP32:
+                b_s = tl.dot(b_q, b_k.to(tl.float32), input_precision="ieee")  # [BM, BK]
+            elif K_CAST:
+                b_s = tl.dot(b_q, b_k.to(b_q.dtype))  # [BM, BK]
+            else:
+                b_s = tl.dot(b_q, b_k)  # [BM, BK]
+            if FP8:
+                b_s = b_s * b_ks[None, :]
+            if MASKED:
+                b_s = tl.where(offs_k[None, :] < cand_end[:, None], b_s, float("-inf"))
+            if NBT == 1:
+                b_max1 = tl.maximum(b_max1, tl.max(b_s, axis=1))
+            else:
+                b_maxn = tl.maximum(b_maxn, tl.max(tl.reshape(b_s, [BM, NBT, BLOCK]), axis=2))
     if NBT == 1:
         vals, ids = _insert(vals, ids, b_max1, c)
     else:
@@ -239,6 +268,7 @@ def _index_topk_kernel(
     FP8: tl.constexpr,
     FP8_DOT: tl.constexpr,
     K_CAST: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
     FINAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -292,12 +322,12 @@ def _index_topk_kernel(
     for c in range(c0, c_full):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8, K_CAST,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8, K_CAST, KEY_MAJOR,
         )
     for c in range(c_full, c1):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8, K_CAST,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8, K_CAST, KEY_MAJOR,
         )
 
     if FINAL:
@@ -445,6 +475,7 @@ def _index_topk_launch(
     num_splits=None,
     num_warps=None,
     num_stages=None,
+    key_major=None,
 ):
     """``index_topk_triton`` with the launch choices exposed (tests, benchmarks)."""
     fp8 = index_k_cache.dtype in FP8_DTYPES
@@ -511,6 +542,9 @@ def _index_topk_launch(
     tpb = ch // bk
     nbt = ch // block_size
     same_page = page_size % bk == 0
+    if key_major is None:
+        key_major = fp8_dot and bm <= KEY_MAJOR_MAX_BM
+    key_major = bool(key_major) and nbt == 1
 
     nkeep = topk - local_blocks
     kp = next_pow2(max(nkeep, 1))
@@ -535,7 +569,7 @@ def _index_topk_launch(
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 2 if bm >= 128 else 3
+        num_stages = 2 if bm >= 128 else KEY_MAJOR_STAGES if key_major and fp8_dot else 3
     batch_p2 = max(2, next_pow2(batch + 1))
     _index_topk_kernel[(tiles, num_splits)](
         q, k, scale, bt, cu, kv, out, ws_val, ws_id,
@@ -544,7 +578,8 @@ def _index_topk_launch(
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size,
         TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
         BM=bm, BK=bk, CH=ch, TPB=tpb, NBT=nbt, SAME_PAGE=same_page, BATCH_P2=batch_p2,
-        DOT_FP32=dot_fp32, FP8=fp8, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32, FINAL=final,
+        DOT_FP32=dot_fp32, FP8=fp8, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32, KEY_MAJOR=key_major,
+        FINAL=final,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:

@@ -78,7 +78,7 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
 def index_topk(q="bf16", k="bf16", final=True, **kw):
     cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=tix.PREFILL_BM,
               BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, FP8=False, FP8_DOT=False,
-              K_CAST=False, FINAL=final)
+              K_CAST=False, KEY_MAJOR=False, FINAL=final)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "out_ptr", "ws_id_ptr")}
     ptrs.update(q_ptr="*" + q, k_ptr="*" + k, ks_ptr="*fp32" if cx["FP8"] else "*" + k,
@@ -89,11 +89,11 @@ def decode(q="bf16", kv="bf16", final=False, **kw):
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=final,
               RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False, Q_FP8=False, KV_FP8=False,
-              WIDEN_K=False, PV_DT=tl.bfloat16)
+              WIDEN_K=False, PV_DT=tl.bfloat16, MERGE=not final)
     cx.update(kw)
-    ptrs = {n: I32 for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr")}
+    ptrs = {n: I32 for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr", "cnt_ptr")}
     ptrs.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32",
-                o_ptr="*bf16" if final else "*fp32", m_ptr="*fp32", l_ptr="*fp32")
+                o_ptr="*bf16" if final else "*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
     return build(tdec._decode_split_kernel, cx, ptrs, num_warps=4, num_stages=3)
 
 F8 = "fp8e4nv"
@@ -102,11 +102,17 @@ cases = {
     "index top-k decode split": lambda: index_topk(BM=16, final=False, BATCH_P2=64),
     "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, FP8=True, FP8_DOT=True),
     "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, FP8=True, K_CAST=True, final=False),
+    "index top-k decode, key-major": lambda: index_topk(BM=16, final=False, BATCH_P2=64, KEY_MAJOR=True),
+    "index top-k fp8 keys, widened, key-major": lambda: index_topk(k=F8, BM=16, FP8=True, K_CAST=True, final=False,
+                                                                   KEY_MAJOR=True),
+    "index top-k fp8 keys, fp8 dot, key-major": lambda: index_topk(k=F8, BM=16, FP8=True, FP8_DOT=True, final=False,
+                                                                   KEY_MAJOR=True),
     "index merge": lambda: build(tix._merge_kernel, dict(H=4, BLOCK=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15,
                                                           KP=16, NC=128, RB=8, BATCH_P2=64),
                                  {"ws_val_ptr": "*fp32", "ws_id_ptr": I32, "out_ptr": I32, "cu_ptr": I32,
                                   "kvlen_ptr": I32}),
     "decode M3": lambda: decode(),
+    "decode M3, merge in a second kernel": lambda: decode(MERGE=False),
     "decode fp8 q/K/V final": lambda: decode(F8, F8, final=True, Q_FP8=True, KV_FP8=True),
     "decode combine": lambda: build(tdec._decode_combine_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
                                     {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32",

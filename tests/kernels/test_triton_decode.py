@@ -170,6 +170,19 @@ def test_split_counts_agree():
     _check("triton", _oracle(batch, q, k, v, sel, 32), *outs[-1], torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_merge_in_place_equals_merge_kernel(num_splits):
+    """The last split merging in the launch and the second merge kernel do the same
+    arithmetic in the same split order; both match the oracle, also on rows that see
+    nothing and with a split count that leaves some splits without work."""
+    batch, q, k, v, sel = _setup(91 + num_splits, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
+    fused = _run_triton(batch, q, k, v, sel, 32, num_splits=num_splits, fused_merge=True)
+    second = _run_triton(batch, q, k, v, sel, 32, num_splits=num_splits, fused_merge=False)
+    assert_close("out, in place vs merge kernel", second[0].float(), fused[0].float(), 1e-6)
+    assert_close("lse, in place vs merge kernel", second[1], fused[1], 1e-6)
+    _check("triton", _oracle(batch, q, k, v, sel, 32), *fused, torch.bfloat16)
+
+
 def test_repeated_ids_count_once_and_empty_rows():
     batch, q, k, v, sel = _setup(
         63, [(90, 4), (20, 3)], 16, 16, 4, 2, 16, 4, torch.float32, empty_frac=0.0, dup_frac=0.0
@@ -324,14 +337,18 @@ def split_case(dtype, num_warps, **kw):
               WIDEN_K=False, PV_DT=out.get(dtype, tl.bfloat16))
     kv_dtype = kw.pop("kv_dtype", dtype)
     cx.update(kw)
+    cx.setdefault("MERGE", not cx["FINAL"])
+    out_dt = {"fp8e4nv": "bf16"}.get(dtype, dtype)
     ptrs = {"q_ptr": "*" + dtype, "k_ptr": "*" + kv_dtype, "v_ptr": "*" + kv_dtype, "scale_ptr": "*fp32"}
-    ptrs.update({n: "*i32" for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr")})
-    ptrs.update(o_ptr="*bf16" if cx["FINAL"] else "*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    ptrs.update({n: "*i32" for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr", "cnt_ptr")})
+    ptrs.update(o_ptr=("*" + out_dt) if cx["FINAL"] else "*fp32", m_ptr="*fp32", l_ptr="*fp32",
+                out_ptr="*" + out_dt, lse_ptr="*fp32")
     return build(tdec._decode_split_kernel, cx, ptrs, num_warps)
 
 res = {}
 cases = {
-    "m3": lambda: split_case("bf16", 4),  # M3 decode: page 128, chunks of 64 keys, partials
+    "m3": lambda: split_case("bf16", 4),  # M3 decode: page 128, chunks of 64 keys, partials merged in place
+    "m3-merge-kernel": lambda: split_case("bf16", 4, MERGE=False),  # partials merged by a second launch
     "final-page64": lambda: split_case("bf16", 8, FINAL=True, PS=64, BN=128, SEQ_STEPS=3),  # chunks over two pages
     "fp16-g64": lambda: split_case("fp16", 4, G=64, RP=64, PS=16, BN=16, BS=64, TOPK_P2=32),
     "fp32-d96": lambda: split_case("fp32", 4, G=1, D=96, PREC="ieee"),
@@ -406,8 +423,12 @@ if HAS_CUDA:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             g_out, g_lse = call()
-        qd.copy_(torch.randn_like(qd))
-        graph.replay()
-        torch.cuda.synchronize()
-        out, lse = call()
-        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+        # Replayed twice: the arrival counts of the in-place split merge start from zero
+        # at every replay (a stale count would leave rows unmerged or merged early).
+        for _ in range(2):
+            qd.copy_(torch.randn_like(qd))
+            g_out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            out, lse = call()
+            assert torch.equal(g_out, out) and torch.equal(g_lse, lse)

@@ -387,3 +387,46 @@ def test_fp8_keys(num_splits, fp8_dot):
     ref, scores = dense_oracle(q_rows, k_deq, batch, 6, 64, 1)
     # Hopper's fp8 MMA accumulates with fewer than fp32's mantissa bits.
     check(batch, out, ref, scores, 6, 64, 1, tol=FP8_TIE_TOL if fp8_dot else TIE_TOL)
+
+
+@pytest.mark.parametrize("keys", ["bf16", "fp8", "fp8_dot"])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("key_major", [False, True])
+@pytest.mark.parametrize("page_size,block_size", [(64, 64), (16, 32)])
+def test_key_major_scores(key_major, block_m, keys, page_size, block_size):
+    """Both score orientations (K @ Q^T for short row tiles, Q @ K^T otherwise) select
+    what the oracle selects: decode rows, speculative rows and a chunk after a cache,
+    tiles within one page and tiles over several pages."""
+    if keys != "bf16" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    g = gen(1300 + block_m + page_size + (7 if key_major else 0))
+    # The 4-row sequence straddles a block boundary: its rows cut the same key tile differently.
+    seqs = [(9 * block_size + 5, 1), (3 * block_size + 2, 4), (5 * SCALE * block_size + 17, 9), (block_size // 2, 1)]
+    batch = make_batch(g, seqs, page_size=page_size)
+    iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
+    if keys == "fp8_dot":
+        # Rows whose in-kernel e4m3 quantization is exact (amax 7, so the scale is 64 and
+        # every scaled value an e4m3 number): the oracle then sees the kernel's q whatever
+        # rounding the float -> e4m3 cast uses (the interpreter's differs from the GPU's).
+        v = (iq.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+        v[..., 0] = 448.0
+        iq = (v / 64).to(torch.bfloat16)
+    # Key tiles of one block (the key-major form needs a tile inside one block).
+    launch = dict(block_m=block_m, block_k=block_size, key_major=key_major, max_seqlen_q=9)
+    if keys == "bf16":
+        ik = batch.index_cache(g, DIM, dtype=torch.bfloat16)
+        run_case(batch, iq, ik, topk=5, block_size=block_size, **launch)
+        return
+    ik = batch.index_cache(g, DIM, garbage=0.0)
+    codes, scale = quantize_e4m3(ik)
+    q_rows = iq.float()
+    if keys == "fp8_dot":
+        q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
+    tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    with poisoned_allocations():
+        out = _index_topk_launch(
+            iq.to(DEVICE), codes.to(DEVICE), tables, cu_seqlens_q=cu, used_kv_lens=kv, topk=5, block_size=block_size,
+            index_k_scale=scale.to(DEVICE), fp8_dot=keys == "fp8_dot", **launch,
+        )
+    ref, scores = dense_oracle(q_rows, codes.float() * scale[..., None], batch, 5, block_size, 1)
+    check(batch, out, ref, scores, 5, block_size, 1, tol=FP8_TIE_TOL if keys == "fp8_dot" else TIE_TOL)
