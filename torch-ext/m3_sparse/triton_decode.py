@@ -267,8 +267,8 @@ def _decode_split_kernel(
         tl.store(m_ptr + ws_row, m_i, mask=row_ok)
         tl.store(l_ptr + ws_row, l_i, mask=row_ok)
         if MERGE:
-            # Saves the second launch and its fill and drain. The barrier orders every
-            # thread's stores before the release of the count; the split that sees
+            # One launch instead of two. The barrier orders every thread's stores
+            # before the release of the count; the split that sees
             # S - 1 earlier arrivals reads all S partials back (past L1: they were
             # written on other SMs) in split order, so the result does not depend on
             # which split came last.
