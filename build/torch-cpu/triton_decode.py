@@ -267,7 +267,7 @@ def _decode_split_kernel(
         tl.store(m_ptr + ws_row, m_i, mask=row_ok)
         tl.store(l_ptr + ws_row, l_i, mask=row_ok)
         if MERGE:
-            # One launch instead of two. The barrier orders every thread's stores
+            # Replaces the merge kernel. The barrier orders every thread's stores
             # before the release of the count; the split that sees
             # S - 1 earlier arrivals reads all S partials back (past L1: they were
             # written on other SMs) in split order, so the result does not depend on
@@ -463,7 +463,7 @@ def run_decode_triton(
         m_buf = torch.empty(rows, dtype=torch.float32, device=device)
         l_buf = torch.empty(rows, dtype=torch.float32, device=device)
         if merge:
-            # A memset node in a captured graph: every replay starts from zero counts.
+            # Zeroed by each call (and by each replay of a captured one).
             counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
     _decode_split_kernel[(num_tokens, hkv, num_splits)](
         q,

@@ -64,8 +64,8 @@ MIN_CHUNKS_PER_SPLIT = 2
 MAX_SPLITS = 128
 # With fp8 keys and the fp8 dot, row tiles up to this height (decode) are scored
 # key-major (K @ Q^T: the key tile is the MMA's M), with a deeper key pipeline. H200,
-# batch 32 x 128K: 142 us against 205 us for Q @ K^T (the bf16 and widened-fp8 paths
-# gain nothing from it: 252 vs 255 us, and 345 vs 209 us; docs/PERF.md).
+# batch 32 x 128K: 142-145 us against 206 us for Q @ K^T; bf16 keys gain nothing
+# (257 vs 260 us) and widened fp8 keys lose (342 vs 210 us): docs/PERF.md.
 KEY_MAJOR_MAX_BM = 32
 KEY_MAJOR_STAGES = 6
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
@@ -141,6 +141,7 @@ def _score_chunk(
     ``[BK, BM]`` = K @ Q^T, so that a short row tile (decode) sits in the MMA's N and
     the key tile fills its M: Hopper's warpgroup MMA then takes the fp8 keys straight
     from shared memory, where an M of 16 rows would fall back to the register path."""
+    tl.static_assert(NBT == 1 or not KEY_MAJOR, "key-major scores need key tiles inside one block")
     if NBT == 1:
         b_max1 = tl.full([BM], float("-inf"), tl.float32)
     else:

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_be2e5a2595"
+NAMESPACE = "_m3_sparse_cuda_1ae7fd7b56"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -389,14 +389,21 @@ def test_fp8_keys(num_splits, fp8_dot):
     check(batch, out, ref, scores, 6, 64, 1, tol=FP8_TIE_TOL if fp8_dot else TIE_TOL)
 
 
-@pytest.mark.parametrize("keys", ["bf16", "fp8", "fp8_dot"])
-@pytest.mark.parametrize("block_m", [16, 32, 64])
-@pytest.mark.parametrize("key_major", [False, True])
-@pytest.mark.parametrize("page_size,block_size", [(64, 64), (16, 32)])
-def test_key_major_scores(key_major, block_m, keys, page_size, block_size):
-    """Both score orientations (K @ Q^T for short row tiles, Q @ K^T otherwise) select
-    what the oracle selects: decode rows, speculative rows and a chunk after a cache,
-    tiles within one page and tiles over several pages."""
+KEY_MAJOR_CASES = [
+    (page, block, tiles, bm, km, keys)
+    for page, block, tiles in ((64, 64, 1), (16, 32, 1), (64, 64, 2))
+    for bm in (16, 32, 64)
+    for km in (False, True, None)
+    for keys in ("bf16", "fp8", "fp8_dot")
+] + [(128, 128, 1, 16, None, keys) for keys in ("bf16", "fp8", "fp8_dot")]  # the default tiles of block 128
+
+
+@pytest.mark.parametrize("page_size,block_size,tiles,block_m,key_major,keys", KEY_MAJOR_CASES)
+def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys):
+    """Both score orientations (K @ Q^T for short row tiles, Q @ K^T otherwise) and the
+    default choice (key_major None) select what the oracle selects: decode rows,
+    speculative rows and a chunk after a cache; key tiles within one page, over several
+    pages, and two tiles per block."""
     if keys != "bf16" and not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("no float8 in this torch")
     g = gen(1300 + block_m + page_size + (7 if key_major else 0))
@@ -411,8 +418,11 @@ def test_key_major_scores(key_major, block_m, keys, page_size, block_size):
         v = (iq.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn).float()
         v[..., 0] = 448.0
         iq = (v / 64).to(torch.bfloat16)
-    # Key tiles of one block (the key-major form needs a tile inside one block).
-    launch = dict(block_m=block_m, block_k=block_size, key_major=key_major, max_seqlen_q=9)
+    # Key tiles inside one block (the key-major form needs that); key_major None with the
+    # default tiles: what the launcher picks (block 128: one 128-key tile per block).
+    launch = dict(block_m=block_m, key_major=key_major, max_seqlen_q=9)
+    if block_size != 128:
+        launch["block_k"] = block_size // tiles
     if keys == "bf16":
         ik = batch.index_cache(g, DIM, dtype=torch.bfloat16)
         run_case(batch, iq, ik, topk=5, block_size=block_size, **launch)
