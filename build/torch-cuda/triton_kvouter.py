@@ -93,23 +93,34 @@ def _tile_level1(tile_seg_ptr, tile_start_ptr, tile_end_ptr, tile, t_hi):
 
 
 @triton.jit
+def _segment_meta(
+    bt_ptr, cu_ptr, kvlen_ptr, seg, live, nbg, max_blocks, stride_bt, offs_n, BS: tl.constexpr, PS: tl.constexpr,
+):
+    """Block, per-key pages [BS], kv length and position base of a segment (nothing read
+    unless ``live``)."""
+    gb = seg % nbg
+    seq = gb // max_blocks
+    blk = gb - seq * max_blocks
+    kv_len = tl.load(kvlen_ptr + seq, mask=live, other=0)
+    # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
+    pos_base = kv_len - tl.load(cu_ptr + seq + 1, mask=live, other=0)
+    k_pos = blk * BS + offs_n
+    page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(tl.int64)
+    return blk, page, kv_len, pos_base
+
+
+@triton.jit
 def _tile_level2(
     entry_token_ptr, bt_ptr, cu_ptr, kvlen_ptr, seg, e0, e1, nbg, max_blocks, stride_bt,
     r_tok, offs_n,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
 ):
     """Per-row tokens [BM], per-key pages [BS], kv length and position base of a tile."""
-    gb = seg % nbg
-    seq = gb // max_blocks
-    blk = gb - seq * max_blocks
-    live = e1 > e0
-    kv_len = tl.load(kvlen_ptr + seq, mask=live, other=0)
-    # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
-    pos_base = kv_len - tl.load(cu_ptr + seq + 1, mask=live, other=0)
+    _, page, kv_len, pos_base = _segment_meta(
+        bt_ptr, cu_ptr, kvlen_ptr, seg, e1 > e0, nbg, max_blocks, stride_bt, offs_n, BS, PS
+    )
     e_row = e0 + r_tok
     tok = tl.load(entry_token_ptr + e_row, mask=e_row < e1, other=0)
-    k_pos = blk * BS + offs_n
-    page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(tl.int64)
     return tok, page, kv_len, pos_base
 
 
@@ -317,16 +328,11 @@ def _kvouter_partials_kernel(
             seg_end = tl.load(seg_offsets_ptr + seg + 1)
             run = tl.minimum(t_hi - tile, (seg_end - e_first + tile_q - 1) // tile_q)
             g = seg // nbg
-            gb = seg % nbg
-            seq = gb // max_blocks
-            blk = gb - seq * max_blocks
-            kv_len = tl.load(kvlen_ptr + seq)
-            # Queries are the last tokens of their sequence: pos = kv_len - q_end + token.
-            pos_base = kv_len - tl.load(cu_ptr + seq + 1)
-            k_pos = blk * BS + offs_n
-            page = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0)
+            blk, page, kv_len, pos_base = _segment_meta(
+                bt_ptr, cu_ptr, kvlen_ptr, seg, run > 0, nbg, max_blocks, stride_bt, offs_n, BS, PS
+            )
             b_kt, b_v = _load_kv(
-                k_ptr, v_ptr, g, blk, page.to(tl.int64), kv_len,
+                k_ptr, v_ptr, g, blk, page, kv_len,
                 stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                 offs_d, offs_n, q_ptr.dtype.element_ty, D, BS, PS, UPCAST, WIDEN_K,
             )
