@@ -57,6 +57,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import m3_sparse  # noqa: E402
 from m3_sparse import triton_decode as tdec  # noqa: E402
+from m3_sparse.triton_index_topk import _index_topk_launch  # noqa: E402
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 G = HQ // HKV
@@ -381,13 +382,14 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
     ref = kernel_call(p)()
     lines = ["| block_n | warps | stages | programs/SM | merge | splits | graph us | x floor | in-graph us | x floor | "
              "kernel |", "|" + "---|" * 11]
+    kept = torch.zeros(p["q"].shape[0] * HKV, dtype=torch.int32, device=DEV)
     best, best_t = None, float("inf")
     saved = dict(tdec.DECODE_CONFIG)
     for var in args.variants:
-        bn, w, s_, pps, fused = var
+        bn, w, s_, pps, fused, keep = var
         tdec.DECODE_CONFIG.update(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused))
         splits = tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
-        fn = kernel_call(p)
+        fn = kernel_call(p, **({"arrival_counts": kept} if keep else {}))
         try:
             out, _ = fn()
             diff = float((out.float() - ref[0].float()).norm() / ref[0].float().norm())
@@ -399,11 +401,11 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
         except Exception as e:  # noqa: BLE001
             t = ta = float("nan")
             info = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-        merge = "in place" if fused and splits > 1 else "kernel" if splits > 1 else "-"
+        merge = ("in place, kept counts" if keep else "in place") if fused and splits > 1 else "kernel" if splits > 1 else "-"
         lines.append(f"| {bn} | {w} | {s_} | {pps} | {merge} | {splits} | {t:.1f} | {t / fl:.2f} | {ta:.1f} | "
                      f"{ta / fl:.2f} | {info} |")
         log(lines[-1])
-        if t < best_t:
+        if t < best_t and not keep:  # kept counts are not a DECODE_CONFIG setting
             best, best_t = dict(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused)), t
     tdec.DECODE_CONFIG.clear()
     tdec.DECODE_CONFIG.update(saved)
@@ -455,6 +457,120 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
     )
     del p
     return r
+
+
+HI, DI = 4, 128  # index heads, index head dim
+
+
+def step_section(pool: Pool, args) -> list[dict]:
+    """(c): one sparse layer's decode step, batch args.batch x 1 new token: the index
+    top-k over the paged index keys (bf16, or e4m3 with per-token scales and the fp8 dot)
+    and the decode attention on its selections, captured together; each part also alone,
+    all as calls inside a graph of many (L2 flushed before each). Dense decode attention
+    over the full context in the same run."""
+    p = pool.problem(min(args.batch, pool.batch), 1, args.pattern)
+    b, dev = p["b"], p["q"].device
+    gen = pool.gen
+    pages = pool.k.shape[0]
+    iq = torch.randn(b, HI, DI, device=dev, dtype=torch.bfloat16, generator=gen)
+    ik = torch.randn(pages, pool.page, DI, device=dev, dtype=torch.bfloat16, generator=gen)
+    ik_scale = ik.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    ik8 = (ik.float() / ik_scale[..., None]).to(torch.float8_e4m3fn)
+    # One scale for the cache (M3PagedCache(index_k_scale=...)): no scale read in the kernel.
+    one_scale = (ik.float().abs().amax() / 448.0).reshape(1)
+    ik8_one = (ik.float() / one_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    kept = torch.zeros(b * HKV, dtype=torch.int32, device=dev)
+    dense = dense_sdpa(p, pool.ctx)[0] if args.dense else None
+    # Floors: the index keys read once, and the selected K/V (the step's own selections).
+    idx_floor = {"bf16": b * pool.ctx * DI * 2 / PEAK_BYTES * 1e6, "fp8": b * pool.ctx * (DI + 4) / PEAK_BYTES * 1e6,
+                 "fp8, one scale": b * pool.ctx * DI / PEAK_BYTES * 1e6}
+    rows = []
+    for keys, cache, extra in (
+        ("bf16", ik, {}),
+        ("fp8", ik8, {"index_k_scale": ik_scale, "fp8_dot": True}),
+        ("fp8, one scale", ik8_one, {"index_k_scale": one_scale, "fp8_dot": True}),
+    ):
+        def index():
+            return m3_sparse.index_topk(
+                iq, cache, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
+                max_seqlen_q=1, **extra,
+            )
+
+        sel = index()
+        ps = dict(p, sel=sel)
+        st = reuse_stats(ps)
+        out, lse = decode_call(ps, True)()
+        err = check(ps, out, lse)
+        del out, lse
+
+        def attention(counts=None, chosen=None):
+            chosen = sel if chosen is None else chosen
+            if counts is None:
+                return m3_sparse.sparse_decode_attention(
+                    p["q"], p["k"], p["v"], chosen, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"],
+                    block_size=BLOCK,
+                )
+            return tdec.sparse_decode_attention_triton(
+                p["q"], p["k"], p["v"], chosen, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"],
+                block_size=BLOCK, arrival_counts=counts,
+            )
+
+        def step(counts=None):
+            return attention(counts, index())
+
+        r = dict(keys=keys, ctx=pool.ctx, b=b, err=err, dense=dense, index_floor=idx_floor[keys],
+                 attn_floor=floor_us(ps, st))
+        r["index"] = bench_graph_amortized(index)
+        # Key-range splits of the index kernel (the default comes from the SM count).
+        r["index_splits"] = {}
+        for sp in args.index_splits:
+            def index_sp(sp=sp):
+                return _index_topk_launch(
+                    iq, cache, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
+                    max_seqlen_q=1, num_splits=sp, **extra,
+                )
+            same = bool(torch.equal(canon_sel(index_sp()), canon_sel(sel)))
+            r["index_splits"][sp] = (bench_graph_amortized(index_sp), same)
+            log(f"  (c) {keys} index keys, {sp} splits: {r['index_splits'][sp][0]:.1f} us, same selection {same}")
+        r["attention"] = bench_graph_amortized(attention)
+        r["attention_kept"] = bench_graph_amortized(lambda: attention(kept))
+        r["step"] = bench_graph_amortized(step)
+        r["step_kept"] = bench_graph_amortized(lambda: step(kept))
+        rows.append(r)
+        log(f"  (c) {keys} index keys: index {r['index']:.1f} | attention {r['attention']:.1f} "
+            f"({r['attention_kept']:.1f} kept counts) | step {r['step']:.1f} ({r['step_kept']:.1f}) | dense "
+            f"{dense or float('nan'):.1f} us | err {err:.1e}")
+        del sel, ps
+    del p, iq, ik, ik8, ik_scale, ik8_one
+    empty_cache()
+    return rows
+
+
+def canon_sel(sel: torch.Tensor) -> torch.Tensor:
+    """Selections as sorted sets (-1 last), to compare launches of the index kernel."""
+    big = torch.iinfo(torch.int32).max
+    s_ = torch.where(sel < 0, big, sel).sort(-1).values
+    return torch.where(s_ == big, -1, s_)
+
+
+def table_c(rows: list[dict]) -> str:
+    lines = [
+        "| index keys | ctx | B | index us (floor) | attention us (floor) | attention, kept counts | step us | "
+        "step, kept counts | dense us | dense / step | dense / step, kept counts |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        d = r["dense"]
+        lines.append(
+            f"| {r['keys']} | {kib(r['ctx'])} | {r['b']} | {r['index']:.1f} ({r['index_floor']:.1f}) | "
+            f"{r['attention']:.1f} ({r['attn_floor']:.1f}) | {r['attention_kept']:.1f} | {r['step']:.1f} | "
+            f"{r['step_kept']:.1f} | {fmt(d)} | {fmt(d / r['step'] if d else None, 2)} | "
+            f"{fmt(d / r['step_kept'] if d else None, 2)} |"
+        )
+    for r in rows:
+        for sp, (t, same) in r.get("index_splits", {}).items():
+            lines.append(f"| {r['keys']}, index with {sp} splits | | | {t:.1f} | | | | | | | same selection: {same} |")
+    return "\n".join(lines)
 
 
 def crossover_point(pool: Pool, b: int, n: int, args) -> dict:
@@ -548,21 +664,27 @@ def table_b(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_variants(s: str) -> list[tuple[int, int, int, int, int]]:
+def parse_variants(s: str) -> list[tuple[int, int, int, int, int, int]]:
     out = []
     for item in s.split(","):
         if item:
             vals = tuple(int(x) for x in item.split(":"))
             if len(vals) == 4:
                 vals += (1,)
-            if len(vals) != 5:
-                raise SystemExit(f"--variants: expected block_n:warps:stages:programs_per_sm[:fused], got {item!r}")
+            if len(vals) == 5:
+                vals += (0,)
+            if len(vals) != 6:
+                raise SystemExit(
+                    f"--variants: expected block_n:warps:stages:programs_per_sm[:fused[:kept counts]], got {item!r}"
+                )
             out.append(vals)
     return out
 
 
 DEFAULT_VARIANTS = (
-    # block_n:num_warps:num_stages:programs_per_sm[:fused merge 1/0]; at batch 32 x 4 kv
+    # block_n:num_warps:num_stages:programs_per_sm[:fused merge 1/0[:kept counts 1/0]]
+    # (kept counts: the in-place merge's arrival counts come from a buffer the caller keeps,
+    # instead of a zeroed one per call); at batch 32 x 4 kv
     # heads, programs per SM 1 / 2 / 4 / 8 give 2 / 4 / 8 / 16 splits (at most 2 chunks of
     # block_n keys each)
     "64:4:3:1,64:4:3:1:0,64:4:3:2,64:4:3:4,64:4:3:4:0,64:4:3:8,"
@@ -588,9 +710,15 @@ def main():
     ap.add_argument("--no-dense", dest="dense", action="store_false", help="skip dense SDPA")
     ap.add_argument("--no-crossover", dest="crossover", action="store_false", help="skip (b)")
     ap.add_argument("--fp8", action="store_true", help="(a) also times the decode kernel on e4m3 K/V")
+    ap.add_argument("--step", action="store_true",
+                    help="(c) index + attention decode step of one sparse layer at batch --batch x the largest context")
+    ap.add_argument("--step-only", action="store_true", help="only (c) (implies --no-sweep, no (a), no (b))")
+    ap.add_argument("--index-splits", default="", help="(c) also times the index kernel alone at these split counts")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.step_only:
+        args.step, args.sweep, args.crossover = True, False, False
     if args.quick:
         args.contexts, args.page_sizes, args.batch = "4096", "128,64", 4
         args.q_tokens, args.batch_variants, args.max_tokens = "1,16,64", "4", 256
@@ -600,6 +728,7 @@ def main():
     args.q_tokens = [int(x) for x in args.q_tokens.split(",") if x]
     args.batch_variants = [int(x) for x in args.batch_variants.split(",") if x]
     args.variants = parse_variants(args.variants)
+    args.index_splits = [int(x) for x in args.index_splits.split(",") if x]
     if SMOKE:
         args.contexts, args.page_sizes, args.batch = [512], [128, 64], 2
         args.q_tokens, args.batch_variants, args.max_tokens = [1, 4], [2], 8
@@ -640,9 +769,12 @@ def main():
     tdec.DECODE_CONFIG.update(best_cfg)
     log(f"# default config {default_cfg}; used {tdec.DECODE_CONFIG}")
 
-    rows_a, rows_b = [], []
+    rows_a, rows_b, rows_c = [], [], []
+    if args.step:
+        log(f"== (c) decode step, batch {args.batch} x ctx {ctx_max}, page {page0}")
+        rows_c = step_section(pool(ctx_max, page0, args.batch), args)
     # Largest context first: the sweep's pool serves the first rows.
-    for ctx in sorted(args.contexts, reverse=True):
+    for ctx in sorted(args.contexts, reverse=True) if not args.step_only else []:
         for page in args.page_sizes:
             log(f"== (a) ctx {ctx} page {page}")
             rows_a.append(decode_section(pool(ctx, page, args.batch), args, default_cfg, best_cfg))
@@ -663,11 +795,13 @@ def main():
         f"Decode attention, {props.name}, torch {torch.__version__}, triton {triton.__version__}; "
         f"Hq {HQ} Hkv {HKV} D {D} block {BLOCK} top-{TOPK} bf16, selections {args.pattern}; "
         f"launch config {tdec.DECODE_CONFIG}.",
-        "",
-        "(a) decode, one new token per sequence (us; graph = one call captured in a CUDA graph and replayed)",
-        "",
-        table_a(rows_a),
     ]
+    if rows_a:
+        md += ["", "(a) decode, one new token per sequence (us; graph = one call captured in a CUDA graph and replayed)",
+               "", table_a(rows_a)]
+    if rows_c:
+        md += ["", "(c) one sparse layer's decode step (index top-k + decode attention on its selections), us per "
+               "call inside a graph of 20 with L2 flushed before each; floors at 4.2 TB/s", "", table_c(rows_c)]
     if rows_b:
         md += ["", "(b) crossover: the last n tokens of each sequence are queries (page "
                f"{page0}); reuse = (token, head) selections per distinct selected block", "", table_b(rows_b)]
@@ -677,7 +811,7 @@ def main():
     if not KVOUTER_GRAPH["ok"]:
         md += ["", f"KV-outer graph capture failed: {KVOUTER_GRAPH['why']}"]
     md = "\n".join(md)
-    (out_dir / "bench_decode.json").write_text(json.dumps({"a": rows_a, "b": rows_b}, indent=1))
+    (out_dir / "bench_decode.json").write_text(json.dumps({"a": rows_a, "b": rows_b, "c": rows_c}, indent=1))
     (out_dir / "bench_decode.log").write_text("\n".join(LOG) + "\n\n" + md + "\n")
     (out_dir / "bench_decode.md").write_text(md + "\n")
     log(f"# total {time.time() - t_start:.0f} s")

@@ -5,6 +5,7 @@ length, and at 128K the effect of the workspace budget (query slices) on speed.
     python3 benchmarks/bench_long_prefill.py                      # 32K..512K + 128K budget sweep
     python3 benchmarks/bench_long_prefill.py --sizes 131072 --budgets 1,4,unbounded
     python3 benchmarks/bench_long_prefill.py --fp8 --sizes 32768,131072 --budgets 4,unbounded
+    python3 benchmarks/bench_long_prefill.py --profile --fp8 --profile-budgets 4   # attention alone, by stage
 
 Workload: Hq 64, Hkv 4, D 128, 4 index heads of dim 128, block 128, top-16, page 128, bf16,
 one causal prefill; index queries/keys random, so the selections are the index kernel's
@@ -118,11 +119,13 @@ def _stage(name):
     return "other"
 
 
-def profile(n, budgets, out_dir):
+def profile(n, budgets, out_dir, fp8=False):
     """GPU time of the attention call alone (selections precomputed) per workspace budget,
     summed over kernels by stage. A small budget is a query-window order: each slice of
     rows runs its partials and then its combine while its partials may still sit in L2,
-    at the price of reloading every K/V block once per slice that selects it."""
+    at the price of reloading every K/V block once per slice that selects it. ``fp8``: the
+    same module on e4m3 q/K/V (per-tensor scales, bf16 partials) as extra rows, and dense
+    bf16 cuDNN attention of the prompt timed once for the ratio."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     p = make_inputs(n)
@@ -132,10 +135,14 @@ def profile(n, budgets, out_dir):
     )
     per_row = HKV * TOPK * (HQ // HKV) * (D * 2 + 8)
     rows = []
-    for budget in budgets:
+    kinds = [("bf16", p, {})]
+    if fp8:
+        p8 = quantize_fp8(p)
+        kinds.append(("fp8", p8, {f"{x}_scale": p8[f"{x}_scale"] for x in ("q", "k", "v")}))
+    for budget, (kind, pk, scales) in [(b, k) for b in budgets for k in kinds]:
         call = lambda: m3_sparse.kvouter_attention(  # noqa: E731
-            p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
-            max_workspace_bytes=budget,
+            pk["q"], pk["k"], pk["v"], sel, pk["bt"], cu_seqlens_q=pk["cu"], used_kv_lens=pk["kv"],
+            block_size=BLOCK, max_workspace_bytes=budget, **scales,
         )
         call()
         torch.cuda.synchronize()
@@ -152,19 +159,27 @@ def profile(n, budgets, out_dir):
                 ms[_stage(ev.key)] = ms.get(_stage(ev.key), 0.0) + t / 1e3
         name = "unbounded" if budget >= 1 << 49 else f"{budget / GIB:g}GiB"
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-        (Path(out_dir) / f"profile_{n}_{name}.txt").write_text(table)
+        (Path(out_dir) / f"profile_{n}_{kind}_{name}.txt").write_text(table)
         window = min(n, max(1, budget // per_row))
-        rows.append(dict(budget=name, window=window, slices=-(-n // window), wall=wall, **ms))
+        rows.append(dict(inputs=kind, budget=name, window=window, slices=-(-n // window), wall=wall, **ms))
         print(rows[-1], flush=True)
-    (Path(out_dir) / f"profile_{n}.json").write_text(json.dumps(rows, indent=1))
+    dense = None
+    if fp8:
+        del kinds, p8
+        torch.cuda.empty_cache()
+        dense, _ = dense_cudnn({"q": p["q"], "n_seq": 1, "seq_len": n})
+    (Path(out_dir) / f"profile_{n}.json").write_text(json.dumps(dict(rows=rows, dense_ms=dense), indent=1))
     cols = ("build", "schedule", "partials", "combine", "other")
     print(f"\n## attention only, {n} tokens: GPU ms by stage per workspace budget (query window)\n")
-    print("| budget | rows per slice | slices | " + " | ".join(cols) + " | GPU total | wall ms |")
-    print("|---|---|---|" + "---|" * (len(cols) + 2))
+    if dense:
+        print(f"dense bf16 cuDNN causal attention, same run: {dense:.1f} ms\n")
+    print("| inputs | budget | rows per slice | slices | " + " | ".join(cols) + " | GPU total | wall ms | dense / wall |")
+    print("|---|---|---|---|" + "---|" * (len(cols) + 3))
     for r in rows:
         gpu = sum(r.get(c, 0.0) for c in cols)
         vals = " | ".join(f"{r.get(c, 0.0):.2f}" for c in cols)
-        print(f"| {r['budget']} | {r['window']} | {r['slices']} | {vals} | {gpu:.2f} | {r['wall']:.2f} |")
+        ratio = f"{dense / r['wall']:.1f}" if dense else "-"
+        print(f"| {r['inputs']} | {r['budget']} | {r['window']} | {r['slices']} | {vals} | {gpu:.2f} | {r['wall']:.2f} | {ratio} |")
 
 
 def main():
@@ -183,7 +198,7 @@ def main():
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         budgets = [1 << 50 if b == "unbounded" else int(float(b) * GIB) for b in args.profile_budgets.split(",")]
-        profile(131072, budgets, args.out)
+        profile(131072, budgets, args.out, fp8=args.fp8)
         return
     rows = []
     default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES

@@ -219,6 +219,11 @@ def case_index_fp8(torch, m3, g):
         for fp8_dot in (False, True):
             _index_runs(torch, m3, results, f"{label} fp8_dot={fp8_dot}", batch, iq, codes, 16, 128, 1,
                         scale=scale.contiguous(), fp8_dot=fp8_dot, splits=(1, 3))
+        # One scale for the cache: the kernel reads no scale.
+        one = (k.abs().amax() / 448.0).clamp(min=1e-12).reshape(1)
+        codes1 = (k / one).clamp(-448, 448).to(torch.float8_e4m3fn)
+        _index_runs(torch, m3, results, f"{label} one scale, fp8_dot=True", batch, iq, codes1, 16, 128, 1,
+                    scale=one, fp8_dot=True, splits=(1, 3))
     return results
 
 
@@ -352,6 +357,17 @@ def case_decode_attention(torch, m3, g):
             ref = (ref[0], None)
         label = f"{str(dtype)[6:]} G{hq // hkv} D{d} page {page} block {block}{'' if causal else ' non-causal'}"
         _compare(torch, results, label, got, ref, dtype)
+        tdec = getattr(m3, "triton_decode", None)
+        if tdec is not None and "arrival_counts" in inspect.signature(tdec.sparse_decode_attention_triton).parameters:
+            # The in-place merge on a count buffer kept across calls (left zero by each).
+            counts = torch.zeros(q.shape[0] * hkv, dtype=torch.int32, device=DEVICE)
+            for i in range(2):
+                kept = tdec.sparse_decode_attention_triton(
+                    q, k, v, sel, batch.block_tables, **batch.kw(), block_size=block, causal=causal,
+                    return_lse=True, num_splits=3, arrival_counts=counts,
+                )
+                _compare(torch, results, f"{label}, kept counts, call {i}", kept, ref, dtype)
+            results.append((f"{label}, counts left zero", 0.0, int(torch.count_nonzero(counts)) == 0))
     return results
 
 

@@ -213,8 +213,14 @@ def test_fp8_argument_errors():
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=scales[:, :8])
     with pytest.raises(ValueError, match="index_k_scale: expected dtype"):
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=scales.half())
-    with pytest.raises(ValueError, match="index_k_scale: expected a 2-D"):
+    with pytest.raises(ValueError, match="index_k_scale: expected shape"):
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=scales[..., None])
+    with pytest.raises(ValueError, match=r"index_k_scale: expected shape .*per-tensor \(1,\)"):
+        run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="index_k_scale: expected dtype"):
+        run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match="index_k_scale: expected a torch.Tensor"):
+        run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=0.5)
     with pytest.raises(ValueError, match="index_k_scale: expected a tensor on cpu"):
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=scales.to("meta"))
     with pytest.raises(ValueError, match="fp8_dot: only applies"):
@@ -260,6 +266,35 @@ def test_triton_fp8_equals_torch_fp8(monkeypatch, page):
             t += 1
 
 
+@pytest.mark.parametrize("shape", [(1,), ()])
+def test_per_tensor_scale_is_a_filled_per_token_scale(monkeypatch, shape):
+    """One scale for the cache (shape (1,) or ()) selects exactly what the same value
+    given per token selects, on the torch path and on the Triton path (which never reads
+    a per-tensor scale)."""
+    kernel = load_kernel()
+    g = torch.Generator().manual_seed(6)
+    dim, heads, block, topk, page = 32, 2, 16, 4, 16
+    kv_lens, q_lens = [150, 70], [5, 2]
+    cache, tables = paged_keys(g, kv_lens, page, dim)
+    cu, kv = varlen(q_lens, kv_lens)
+    iq = torch.randn(sum(q_lens), heads, dim, generator=g)
+    s = float(cache.abs().max()) / 448.0
+    codes = (cache / s).clamp(-448, 448).to(FP8)
+    one = torch.full(shape, s)
+    filled = torch.full(codes.shape[:2], s)
+    args = [t.to(DEV) for t in (iq, codes, tables, cu, kv)]
+    monkeypatch.setenv("M3_SPARSE_IMPL", "torch")
+    ref = run_index(kernel, *args, topk, block, index_k_scale=filled.to(DEV)).cpu()
+    assert torch.equal(run_index(kernel, *args, topk, block, index_k_scale=one.to(DEV)).cpu(), ref)
+    pytest.importorskip("triton")
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    tri_filled = canon(run_index(kernel, *args, topk, block, index_k_scale=filled.to(DEV)).cpu())
+    tri_one = canon(run_index(kernel, *args, topk, block, index_k_scale=one.to(DEV)).cpu())
+    # Scores differ only by the factor s, applied or not, so only fp32 near-ties can differ.
+    assert float((tri_one != tri_filled).any(-1).float().mean()) <= 0.05
+    assert float((tri_one != canon(ref)).any(-1).float().mean()) <= 0.05
+
+
 # ---------------------------------------------------------------------------------------
 # the cache option and the model
 # ---------------------------------------------------------------------------------------
@@ -279,6 +314,11 @@ def test_cache_rejects_bad_options(sparse_model):
         M3PagedCache(cfg, 1, 64, index_fp8_dot=True)
     with pytest.raises(ValueError, match="index_fp8_dot: expected a bool"):
         M3PagedCache(cfg, 1, 64, index_key_dtype=FP8, index_fp8_dot="yes")
+    with pytest.raises(ValueError, match="index_k_scale: a scale of fp8 index keys"):
+        M3PagedCache(cfg, 1, 64, index_k_scale=0.1)
+    for bad in (0.0, -1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="index_k_scale: expected a positive finite float"):
+            M3PagedCache(cfg, 1, 64, index_key_dtype=FP8, index_k_scale=bad)
 
 
 def test_cache_stores_quantized_keys_where_the_plain_cache_stores_keys(sparse_model):
@@ -315,6 +355,36 @@ def test_cache_stores_quantized_keys_where_the_plain_cache_stores_keys(sparse_mo
     caches["fp8"].reset()
     layer = caches["fp8"].layer(0)
     assert not bool(layer.index_scales.any()) and not bool(layer.index_keys.float().any())
+
+
+def test_cache_with_one_index_scale(sparse_model, monkeypatch):
+    """index_k_scale: codes are k / scale saturated at 448, the pool keeps one scale (which
+    a reset leaves alone), every index call gets it, and generation runs."""
+    g = torch.Generator().manual_seed(7)
+    ids = random_prompt(40, g)[None]
+    plain = M3PagedCache(sparse_model.config, 1, 48, page_size=16)
+    with torch.no_grad():
+        sparse_model(input_ids=ids, past_key_values=plain, use_cache=True)
+    keys = plain.layer(0).index_keys.float()
+    scale = float(keys.abs().max()) / 600.0  # the largest keys saturate at 448
+    cache = M3PagedCache(sparse_model.config, 1, 48, page_size=16, index_key_dtype=FP8, index_k_scale=scale)
+    with torch.no_grad():
+        sparse_model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layer = cache.layer(0)
+    assert layer.index_scales.shape == (1,) and float(layer.index_scales) == pytest.approx(scale)
+    want = (keys / scale).clamp(-448, 448).to(FP8)
+    assert torch.equal(layer.index_keys.float(), want.float())
+    assert bool((layer.index_keys.float().abs() == 448).any())
+    cache.reset()
+    assert float(cache.layer(0).index_scales) == pytest.approx(scale)
+    kernel = load_kernel()
+    seen = []
+    real = kernel.index_topk
+    monkeypatch.setattr(kernel, "index_topk", lambda *a, **kw: seen.append(kw.get("index_k_scale")) or real(*a, **kw))
+    cache = M3PagedCache(sparse_model.config, 1, 48, index_key_dtype=FP8, index_k_scale=scale)
+    out = greedy(sparse_model, ids, new_tokens=4, past_key_values=cache)
+    assert out.shape == (1, 44) and len(seen) == 2 * 4
+    assert all(s is cache.layer(i).index_scales for s, i in zip(seen, [0, 2] * 4))
 
 
 def test_generate_with_fp8_index_cache(sparse_model, monkeypatch):

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_47a7c2ebb5"
+NAMESPACE = "_m3_sparse_cpu_7c854b74a8"
 
 ops = getattr(torch.ops, NAMESPACE)
 

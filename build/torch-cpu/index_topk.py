@@ -11,8 +11,11 @@ This torch implementation streams over key chunks, so its memory is
 the ``[Tq, Tk]`` score matrix is never formed.
 
 fp8 index keys: an ``index_k_cache`` of ``torch.float8_e4m3fn`` holds e4m3 codes,
-and ``index_k_scale`` ``[pages, page_size]`` fp32 their per-token dequantization
-scale; the selection is the one of the keys ``cache.float() * scale``.
+and ``index_k_scale`` their fp32 dequantization scale, either per token
+(``[pages, page_size]``) or one for the whole cache (one element); the selection is
+the one of the keys ``cache.float() * scale``. A per-tensor scale multiplies every
+score of a row by the same positive factor, so it never changes a ranking and the
+GPU kernel does not read it (one multiply per score less than per-token scales).
 """
 
 from __future__ import annotations
@@ -33,21 +36,25 @@ FP8_DOT_MIN_DIM = 32
 FP8_INDEX_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
 
+def is_tensor_scale(index_k_scale) -> bool:
+    """True for a per-tensor scale (one element), False for per-token scales."""
+    return isinstance(index_k_scale, torch.Tensor) and index_k_scale.dim() <= 1 and index_k_scale.numel() == 1
+
+
 def check_index_k_scale(index_k_cache: torch.Tensor, index_k_scale) -> None:
-    """An fp8 cache needs its per-token scale ``[pages, page_size]`` fp32; any other
-    cache must come without one (a stray scale would otherwise be silently ignored)."""
+    """An fp8 cache needs its fp32 scale, per token ``[pages, page_size]`` or per
+    tensor (one element); any other cache must come without one (a stray scale would
+    otherwise be silently ignored)."""
     if index_k_cache.dtype in FP8_INDEX_DTYPES:
+        want = f"per-token {tuple(index_k_cache.shape[:2])} ([pages, page_size]) or per-tensor (1,)"
         if index_k_scale is None:
             raise ValueError(
-                "index_k_scale: required with an fp8 (float8_e4m3fn) index_k_cache: pass its per-token fp32 "
-                f"dequantization scale of shape {tuple(index_k_cache.shape[:2])} ([pages, page_size])"
+                "index_k_scale: required with an fp8 (float8_e4m3fn) index_k_cache: pass its fp32 "
+                f"dequantization scale, {want}"
             )
-        check_tensor("index_k_scale", index_k_scale, ndim=2, dtypes=(torch.float32,), device=index_k_cache.device)
-        if tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]):
-            raise ValueError(
-                f"index_k_scale: expected shape {tuple(index_k_cache.shape[:2])} ([pages, page_size] of "
-                f"index_k_cache), got {tuple(index_k_scale.shape)}"
-            )
+        check_tensor("index_k_scale", index_k_scale, dtypes=(torch.float32,), device=index_k_cache.device)
+        if not is_tensor_scale(index_k_scale) and tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]):
+            raise ValueError(f"index_k_scale: expected shape {want}, got {tuple(index_k_scale.shape)}")
     elif index_k_scale is not None:
         raise ValueError(
             "index_k_scale: only an fp8 (float8_e4m3fn) index_k_cache takes a scale; index_k_cache is "
@@ -128,8 +135,10 @@ def index_topk(
     Returns ``selected`` [Tq, Hi, topk] int32, ``-1`` in unused slots.
     ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's tiling.
 
-    index_k_scale: [pages, page_size] fp32, required with an fp8 ``index_k_cache``
-    and rejected otherwise: key ``j`` is ``index_k_cache[j].float() * index_k_scale[j]``.
+    index_k_scale: fp32, required with an fp8 ``index_k_cache`` and rejected otherwise:
+    per token, ``[pages, page_size]`` (key ``j`` is ``index_k_cache[j].float() *
+    index_k_scale[j]``), or per tensor, one element (every key times the same positive
+    scale; the GPU kernel then skips the per-score multiply: faster, same ranking).
     fp8_dot: fp8 caches only, and only the Triton path reads it: the query rows are
     quantized to e4m3 as well so the scores run on the fp8 tensor cores (faster
     prefill, noisier ranking). The torch path always scores the exact query
@@ -224,7 +233,9 @@ def index_topk_torch(
             safe = torch.minimum(kpos[None, :].expand_as(visible), pos[:, None])
             rows = seq[:, None].expand_as(safe)
             keys = gather_tokens(index_k_cache, block_tables, rows, safe, page_size).float()
-            if index_k_scale is not None:
+            if index_k_scale is not None and is_tensor_scale(index_k_scale):
+                keys = keys * index_k_scale.reshape(())
+            elif index_k_scale is not None:
                 keys = keys * gather_tokens(index_k_scale, block_tables, rows, safe, page_size)[..., None]
             s = torch.einsum("qhd,qkd->qhk", iq, keys)  # [Cq, Hi, Kc]
             s = s.masked_fill(~visible[:, None, :], float("-inf"))

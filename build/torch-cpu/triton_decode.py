@@ -109,6 +109,7 @@ def _decode_split_kernel(
     num_tokens,
     num_seqs,
     topk,
+    table_keys,
     qk_scale,
     scale_ptr,
     G: tl.constexpr,
@@ -135,7 +136,8 @@ def _decode_split_kernel(
     """One (token, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
     ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace, and with MERGE the
     split that finishes last for its (token, kv head) merges all of them into
-    ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: zeroed int32 [Tq * Hkv] arrival counts).
+    ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: int32 [Tq * Hkv] arrival counts, zero on
+    entry; the merging split sets its pair's count back to zero).
     fp8 inputs: the q and k scales fold into qk_scale, V is widened to PV_DT (the
     output dtype) for P @ V."""
     CPB: tl.constexpr = BS // BN  # key chunks per block
@@ -201,11 +203,14 @@ def _decode_split_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if ONE_PAGE:
         # Every table entry the loop needs, read up front: [slot, page of the block].
-        # The loop then issues no load whose address waits on another load.
+        # The loop then issues no load whose address waits on another load. The mask
+        # only keeps the reads inside the table row, so these loads wait on the
+        # selections and the sequence but not on its kv length (one memory latency
+        # less before the first K/V bytes); entries of pages past the last visible
+        # key may hold anything and are never used to address K/V.
         offs_p = tl.arange(0, PPB)
         b_first = b_ids[:, None] * BS + offs_p[None, :] * PS  # [TOPK_P2, PPB] first key of each page
-        # Pages past the token's last visible key may hold anything: not read.
-        b_pages = tl.load(bt_row + b_first // PS, mask=b_ok[:, None] & (b_first <= lim), other=0)  # [TOPK_P2, PPB]
+        b_pages = tl.load(bt_row + b_first // PS, mask=(b_ids >= 0)[:, None] & (b_first < table_keys), other=0)
     k_head = k_ptr + g.to(tl.int64) * stride_kh
     v_head = v_ptr + g.to(tl.int64) * stride_vh
     m_i = tl.full([RP], float("-inf"), tl.float32)
@@ -303,6 +308,9 @@ def _decode_split_kernel(
                         empty, float("-inf"), (b_mx + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453
                     )
                     tl.store(lse_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
+                # Every split of the pair has arrived: the count can start the next
+                # launch at zero, so a caller may keep one count buffer for all calls.
+                tl.store(cnt_ptr + pair, 0)
 
 
 @triton.jit
@@ -401,11 +409,17 @@ def run_decode_triton(
     scales=None,
     out_dtype=None,
     fused_merge=None,
+    arrival_counts=None,
 ):
     """The decode kernels on arguments already checked by ``interface.validate_kvouter``
     (``softmax_scale`` resolved, ``batch`` = number of sequences; fp8 inputs with
     ``scales`` fp32 [3] from ``_validate.check_quant``). Launch choices (``num_splits``,
-    ``block_n``, ``num_warps``, ``num_stages``) never change results beyond rounding."""
+    ``block_n``, ``num_warps``, ``num_stages``) never change results beyond rounding.
+
+    ``arrival_counts``: an int32 buffer of at least ``Tq * Hkv`` zeros on q's device that
+    the in-place merge uses instead of zeroing a new one per call (one memset less in a
+    captured step); the kernel leaves it zero again. Calls that share it must run in
+    stream order."""
     block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
@@ -462,7 +476,9 @@ def run_decode_triton(
         o_buf = torch.empty(rows, d, dtype=torch.float32, device=device)
         m_buf = torch.empty(rows, dtype=torch.float32, device=device)
         l_buf = torch.empty(rows, dtype=torch.float32, device=device)
-        if merge:
+        if merge and arrival_counts is not None:
+            counts = _check_counts(arrival_counts, num_tokens * hkv, device)
+        elif merge:
             # Zeroed by each call (and by each replay of a captured one).
             counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
     _decode_split_kernel[(num_tokens, hkv, num_splits)](
@@ -496,6 +512,7 @@ def run_decode_triton(
         num_tokens,
         batch,
         topk,
+        block_tables.shape[1] * page_size,
         float(softmax_scale) * LOG2E,
         scales if scales is not None else l_buf,
         G=group,
@@ -524,6 +541,19 @@ def run_decode_triton(
     if not final and not merge:
         merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
     return out, lse
+
+
+def _check_counts(counts, needed: int, device) -> torch.Tensor:
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32:
+        raise ValueError(f"arrival_counts: expected an int32 tensor, got {getattr(counts, 'dtype', type(counts))}")
+    if counts.device != device:
+        raise ValueError(f"arrival_counts: expected a tensor on {device}, got {counts.device}")
+    if not counts.is_contiguous() or counts.numel() < needed:
+        raise ValueError(
+            f"arrival_counts: expected a contiguous tensor of at least {needed} elements (tokens x kv heads), "
+            f"got shape {tuple(counts.shape)}"
+        )
+    return counts
 
 
 def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> None:
@@ -573,6 +603,7 @@ def sparse_decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fused_merge: bool | None = None,
+    arrival_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``decode_attention.sparse_decode_attention`` on the Triton kernels whatever the
     device, with the launch choices exposed (tests, benchmarks)."""
@@ -599,6 +630,7 @@ def sparse_decode_attention_triton(
         num_warps=num_warps,
         num_stages=num_stages,
         fused_merge=fused_merge,
+        arrival_counts=arrival_counts,
     )
 
 

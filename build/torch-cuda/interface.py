@@ -203,9 +203,10 @@ def _kvouter_torch(
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer
-# (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks; docs/PERF.md, decode crossover):
-# 1024 rows of one 32K or 128K sequence run 0.83-0.87x KV-outer's time, 4096 rows 1.06-1.16x.
-DECODE_MAX_QUERIES = 1024
+# (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks, KV-outer with its resident K/V
+# loop; docs/PERF.md, decode crossover): at 256 rows a 128K sequence takes 0.87x KV-outer's
+# time, 8 of them 1.00x, 32 of them 1.09x; at 1024 rows decode takes 1.45-1.66x.
+DECODE_MAX_QUERIES = 256
 
 
 def sparse_attention(

@@ -77,11 +77,11 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
 
 def index_topk(q="bf16", k="bf16", final=True, **kw):
     cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=tix.PREFILL_BM,
-              BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, FP8=False, FP8_DOT=False,
+              BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, K_SCALE=False, FP8_DOT=False,
               K_CAST=False, KEY_MAJOR=False, FINAL=final)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "out_ptr", "ws_id_ptr")}
-    ptrs.update(q_ptr="*" + q, k_ptr="*" + k, ks_ptr="*fp32" if cx["FP8"] else "*" + k,
+    ptrs.update(q_ptr="*" + q, k_ptr="*" + k, ks_ptr="*fp32" if cx["K_SCALE"] else "*" + k,
                 ws_val_ptr=I32 if final else "*fp32")
     return build(tix._index_topk_kernel, cx, ptrs, num_warps=4, num_stages=2 if cx["BM"] >= 128 else 3)
 
@@ -100,12 +100,15 @@ F8 = "fp8e4nv"
 cases = {
     "index top-k prefill": lambda: index_topk(),
     "index top-k decode split": lambda: index_topk(BM=16, final=False, BATCH_P2=64),
-    "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, FP8=True, FP8_DOT=True),
-    "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, FP8=True, K_CAST=True, final=False),
+    "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, K_SCALE=True, FP8_DOT=True),
+    "index top-k fp8 keys, per-tensor scale, fp8 dot": lambda: index_topk(k=F8, FP8_DOT=True),
+    "index top-k fp8 keys, per-tensor scale, fp8 dot, key-major": lambda: index_topk(
+        k=F8, BM=16, FP8_DOT=True, final=False, KEY_MAJOR=True),
+    "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, K_SCALE=True, K_CAST=True, final=False),
     "index top-k decode, key-major": lambda: index_topk(BM=16, final=False, BATCH_P2=64, KEY_MAJOR=True),
-    "index top-k fp8 keys, widened, key-major": lambda: index_topk(k=F8, BM=16, FP8=True, K_CAST=True, final=False,
+    "index top-k fp8 keys, widened, key-major": lambda: index_topk(k=F8, BM=16, K_SCALE=True, K_CAST=True, final=False,
                                                                    KEY_MAJOR=True),
-    "index top-k fp8 keys, fp8 dot, key-major": lambda: index_topk(k=F8, BM=16, FP8=True, FP8_DOT=True, final=False,
+    "index top-k fp8 keys, fp8 dot, key-major": lambda: index_topk(k=F8, BM=16, K_SCALE=True, FP8_DOT=True, final=False,
                                                                    KEY_MAJOR=True),
     "index merge": lambda: build(tix._merge_kernel, dict(H=4, BLOCK=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15,
                                                           KP=16, NC=128, RB=8, BATCH_P2=64),

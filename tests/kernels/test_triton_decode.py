@@ -183,6 +183,35 @@ def test_merge_in_place_equals_merge_kernel(num_splits):
     _check("triton", _oracle(batch, q, k, v, sel, 32), *fused, torch.bfloat16)
 
 
+def test_kept_arrival_counts_are_left_zero():
+    """A count buffer kept by the caller: each launch leaves it zero, so repeated calls
+    (and calls of another shape) get the result of a fresh buffer."""
+    batch, q, k, v, sel = _setup(97, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
+    counts = torch.zeros(q.shape[0] * 2 + 5, dtype=torch.int32, device=DEVICE)
+    fresh = _run_triton(batch, q, k, v, sel, 32, num_splits=3)
+    for _ in range(3):
+        kept = _run_triton(batch, q, k, v, sel, 32, num_splits=3, arrival_counts=counts)
+        assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
+        assert torch.count_nonzero(counts).item() == 0
+    fewer = _run_triton(batch, q, k, v, sel, 32, num_splits=2, arrival_counts=counts)
+    _check("triton, kept counts", _oracle(batch, q, k, v, sel, 32), *fewer, torch.bfloat16)
+    assert torch.count_nonzero(counts).item() == 0
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda n, d: torch.zeros(n, dtype=torch.int64, device=d), "int32"),
+        (lambda n, d: torch.zeros(n - 1, dtype=torch.int32, device=d), "at least"),
+        (lambda n, d: torch.zeros(2 * n, dtype=torch.int32, device=d)[::2], "contiguous"),
+    ],
+)
+def test_arrival_counts_are_checked(bad, match):
+    batch, q, k, v, sel = _setup(98, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _run_triton(batch, q, k, v, sel, 32, num_splits=2, arrival_counts=bad(q.shape[0] * 2, DEVICE))
+
+
 def test_repeated_ids_count_once_and_empty_rows():
     batch, q, k, v, sel = _setup(
         63, [(90, 4), (20, 3)], 16, 16, 4, 2, 16, 4, torch.float32, empty_frac=0.0, dup_frac=0.0
@@ -211,8 +240,9 @@ def test_all_slots_empty(num_splits):
 
 
 @pytest.mark.parametrize("pad", [-1, 2**31 - 1])
-def test_block_table_padding_is_never_read(pad):
+def test_block_table_padding_never_addresses_kv(pad):
     # Local blocks end inside a page whose table successors hold `pad`; block 64 > page 16.
+    # The entries may be loaded with the rest of a selected block's row, never followed.
     batch, q, k, v, sel = _setup(80, [(40, 3), (100, 2), (16, 2)], 16, 64, 4, 2, 16, 3, torch.float32, pad=pad)
     batch.block_tables[:, -1] = pad
     ref = _oracle(batch, q, k, v, sel, 64)

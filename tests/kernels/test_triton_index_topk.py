@@ -355,29 +355,39 @@ def test_rejects_unsupported_shapes(kwargs, match):
         )
 
 
-def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (last dim) e4m3 quantization: (codes, scale) with x ~ codes * scale."""
+def quantize_e4m3(x: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantization per token (last dim) or with one scale for the whole tensor:
+    (codes, scale) with x ~ codes * scale (scale [...] or [1])."""
     amax = x.float().abs().amax(-1).clamp(min=1e-12)
+    if per_tensor:
+        scale = (amax.max() / 448.0).reshape(1)
+        return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
     scale = amax / 448.0
     return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * (scale if scale.numel() == 1 else scale[..., None])
+
+
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+@pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("fp8_dot", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_fp8_keys(num_splits, fp8_dot):
-    """fp8 keys with a per-token scale select what the oracle selects on the same
-    quantized numbers: the dequantized keys, and with ``fp8_dot`` the query rows
-    quantized as the kernel does it (scaled to amax 448, cast to e4m3)."""
-    g = gen(1100)
+def test_fp8_keys(num_splits, fp8_dot, per_tensor):
+    """fp8 keys with a per-token or a per-tensor scale select what the oracle selects
+    on the same quantized numbers: the dequantized keys, and with ``fp8_dot`` the query
+    rows quantized as the kernel does it (scaled to amax 448, cast to e4m3). The kernel
+    never reads a per-tensor scale; the oracle applies it."""
+    g = gen(1100 + per_tensor)
     batch = make_batch(g, [(200 * SCALE, 6), (60, 60), (500 * SCALE, 1)], page_size=64)
     iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
     ik = batch.index_cache(g, DIM, garbage=0.0)
-    codes, scale = quantize_e4m3(ik)
+    codes, scale = quantize_e4m3(ik, per_tensor)
     q_rows = iq.float()
     if fp8_dot:
         q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
-    k_deq = codes.float() * scale[..., None]
+    k_deq = dequantize(codes, scale)
     tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
     with poisoned_allocations():
         out = _index_topk_launch(
@@ -395,7 +405,11 @@ KEY_MAJOR_CASES = [
     for bm in (16, 32, 64)
     for km in (False, True, None)
     for keys in ("bf16", "fp8", "fp8_dot")
-] + [(128, 128, 1, 16, None, keys) for keys in ("bf16", "fp8", "fp8_dot")]  # the default tiles of block 128
+] + [(128, 128, 1, 16, None, keys) for keys in ("bf16", "fp8", "fp8_dot")] + [  # the default tiles of block 128
+    # fp8 keys with one scale for the cache: no scale read in either orientation
+    (page, block, 1, bm, km, keys) for page, block in ((64, 64), (128, 128)) for bm in (16, 64)
+    for km in (False, True) for keys in ("fp8_tensor", "fp8_tensor_dot")
+]
 
 
 @pytest.mark.parametrize("page_size,block_size,tiles,block_m,key_major,keys", KEY_MAJOR_CASES)
@@ -411,7 +425,7 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
     seqs = [(9 * block_size + 5, 1), (3 * block_size + 2, 4), (5 * SCALE * block_size + 17, 9), (block_size // 2, 1)]
     batch = make_batch(g, seqs, page_size=page_size)
     iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
-    if keys == "fp8_dot":
+    if keys.endswith("_dot"):
         # Rows whose in-kernel e4m3 quantization is exact (amax 7, so the scale is 64 and
         # every scaled value an e4m3 number): the oracle then sees the kernel's q whatever
         # rounding the float -> e4m3 cast uses (the interpreter's differs from the GPU's).
@@ -428,15 +442,16 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
         run_case(batch, iq, ik, topk=5, block_size=block_size, **launch)
         return
     ik = batch.index_cache(g, DIM, garbage=0.0)
-    codes, scale = quantize_e4m3(ik)
+    codes, scale = quantize_e4m3(ik, per_tensor=keys.startswith("fp8_tensor"))
+    dot = keys.endswith("_dot")
     q_rows = iq.float()
-    if keys == "fp8_dot":
+    if dot:
         q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
     tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
     with poisoned_allocations():
         out = _index_topk_launch(
             iq.to(DEVICE), codes.to(DEVICE), tables, cu_seqlens_q=cu, used_kv_lens=kv, topk=5, block_size=block_size,
-            index_k_scale=scale.to(DEVICE), fp8_dot=keys == "fp8_dot", **launch,
+            index_k_scale=scale.to(DEVICE), fp8_dot=dot, **launch,
         )
-    ref, scores = dense_oracle(q_rows, codes.float() * scale[..., None], batch, 5, block_size, 1)
-    check(batch, out, ref, scores, 5, block_size, 1, tol=FP8_TIE_TOL if keys == "fp8_dot" else TIE_TOL)
+    ref, scores = dense_oracle(q_rows, dequantize(codes, scale), batch, 5, block_size, 1)
+    check(batch, out, ref, scores, 5, block_size, 1, tol=FP8_TIE_TOL if dot else TIE_TOL)

@@ -30,7 +30,11 @@ Nothing reads device data on the host: the grid is sized from shapes
 exit) and the split count from the block-table capacity.
 
 fp8 index keys (``float8_e4m3fn`` cache plus a per-token fp32 scale
-``[pages, page_size]``): each score column is multiplied by its key's scale.
+``[pages, page_size]``): each score column is multiplied by its key's scale. With a
+per-tensor scale (one element) the kernel reads no scale at all: it would multiply
+every score of a row by the same positive factor, which never changes the ranking, and
+the per-score multiply is 128 of the 530 instructions a warp issues per key tile in
+the fp8 prefill loop (sm_90).
 By default the keys are widened to the query dtype before the dot (half the
 key bytes, the query exact). With ``fp8_dot`` the query rows are quantized to
 e4m3 in the kernel too (a positive per-row factor does not change a row's
@@ -48,7 +52,7 @@ import triton.language as tl
 
 from ._dispatch import INDEX_MAX_TOPK
 from ._launch import contiguous, interpreting, next_pow2, num_sms
-from .index_topk import validate_index_topk
+from .index_topk import check_index_k_scale, is_tensor_scale, validate_index_topk
 
 MAX_TOPK = INDEX_MAX_TOPK
 # A row tile holds at most this many (token, head) rows; prefill uses it, decode
@@ -132,7 +136,7 @@ def _score_chunk(
     SAME_PAGE: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8: tl.constexpr,
+    K_SCALE: tl.constexpr,
     K_CAST: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
@@ -156,7 +160,7 @@ def _score_chunk(
             else:
                 page = tl.load(bt_row_ptr + k0 // PAGE).to(tl.int64)
             slot = (k0 % PAGE) + tl.arange(0, BK)
-            if FP8:
+            if K_SCALE:
                 p_s = ks_ptr + page * stride_sp + slot
         else:
             if MASKED:
@@ -164,7 +168,7 @@ def _score_chunk(
             else:
                 page = tl.load(bt_row_ptr + offs_k // PAGE).to(tl.int64)
             slot = offs_k % PAGE
-            if FP8:
+            if K_SCALE:
                 p_s = ks_ptr + page * stride_sp + slot
         if KEY_MAJOR:
             p_k = k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :]  # [BK, D]
@@ -174,11 +178,11 @@ def _score_chunk(
             k_mask = (offs_k < key_hi)[None, :]
         if MASKED:
             b_k = tl.load(p_k, mask=k_mask, other=0.0)
-            if FP8:
+            if K_SCALE:
                 b_ks = tl.load(p_s, mask=offs_k < key_hi, other=0.0)
         else:
             b_k = tl.load(p_k)
-            if FP8:
+            if K_SCALE:
                 b_ks = tl.load(p_s)
         if KEY_MAJOR:
             if DOT_FP32:
@@ -187,7 +191,7 @@ def _score_chunk(
                 b_s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))  # [BK, BM]
             else:
                 b_s = tl.dot(b_k, tl.trans(b_q))  # [BK, BM]
-            if FP8:
+            if K_SCALE:
                 b_s = b_s * b_ks[:, None]
             if MASKED:
                 b_s = tl.where(offs_k[:, None] < cand_end[None, :], b_s, float("-inf"))
@@ -199,7 +203,7 @@ def _score_chunk(
                 b_s = tl.dot(b_q, b_k.to(b_q.dtype))  # [BM, BK]
             else:
                 b_s = tl.dot(b_q, b_k)  # [BM, BK]
-            if FP8:
+            if K_SCALE:
                 b_s = b_s * b_ks[None, :]
             if MASKED:
                 b_s = tl.where(offs_k[None, :] < cand_end[:, None], b_s, float("-inf"))
@@ -266,7 +270,7 @@ def _index_topk_kernel(
     SAME_PAGE: tl.constexpr,
     BATCH_P2: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    FP8: tl.constexpr,
+    K_SCALE: tl.constexpr,
     FP8_DOT: tl.constexpr,
     K_CAST: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
@@ -323,12 +327,12 @@ def _index_topk_kernel(
     for c in range(c0, c_full):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, FP8, K_CAST, KEY_MAJOR,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, False, DOT_FP32, K_SCALE, K_CAST, KEY_MAJOR,
         )
     for c in range(c_full, c1):
         vals, ids = _score_chunk(
             vals, ids, b_q, k_ptr, ks_ptr, bt_row_ptr, c, key_hi, cand_end, stride_kp, stride_ks, stride_sp, offs_d,
-            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, FP8, K_CAST, KEY_MAJOR,
+            BM, BK, CH, TPB, NBT, BLOCK, PAGE, SAME_PAGE, True, DOT_FP32, K_SCALE, K_CAST, KEY_MAJOR,
         )
 
     if FINAL:
@@ -477,18 +481,17 @@ def _index_topk_launch(
     num_warps=None,
     num_stages=None,
     key_major=None,
+    maxnreg=None,
 ):
-    """``index_topk_triton`` with the launch choices exposed (tests, benchmarks)."""
+    """``index_topk_triton`` with the launch choices exposed (tests, benchmarks).
+    ``maxnreg`` caps the registers per thread (more programs per multiprocessor)."""
     fp8 = index_k_cache.dtype in FP8_DTYPES
+    token_scales = False
     if fp8:
-        if index_k_scale is None:
-            raise ValueError("index_k_scale: an fp8 index_k_cache needs its per-token scale [pages, page_size]")
-        if tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]) or index_k_scale.dtype != torch.float32:
-            raise ValueError(
-                f"index_k_scale: expected float32 of shape {tuple(index_k_cache.shape[:2])}, "
-                f"got {index_k_scale.dtype} {tuple(index_k_scale.shape)}"
-            )
-        if index_k_scale.stride(1) != 1:
+        check_index_k_scale(index_k_cache, index_k_scale)
+        # A per-tensor scale scales whole rows of scores alike: the kernel never reads it.
+        token_scales = not is_tensor_scale(index_k_scale)
+        if token_scales and index_k_scale.stride(1) != 1:
             index_k_scale = index_k_scale.contiguous()
         _validate_fp8(
             index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, topk, block_size, local_blocks
@@ -530,7 +533,7 @@ def _index_topk_launch(
     cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
     kv = used_kv_lens if used_kv_lens.dtype == torch.int32 else used_kv_lens.to(torch.int32)
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    scale = index_k_scale if fp8 else k  # a placeholder pointer when unused
+    scale = index_k_scale if token_scales else k  # a placeholder pointer when unused
 
     if max_seqlen_q is None:
         max_seqlen_q = -(-num_tokens // batch)
@@ -572,6 +575,8 @@ def _index_topk_launch(
     if num_stages is None:
         num_stages = 2 if bm >= 128 else KEY_MAJOR_STAGES if key_major and fp8_dot else 3
     batch_p2 = max(2, next_pow2(batch + 1))
+    # The interpreter takes no register cap.
+    extra = {"maxnreg": maxnreg} if maxnreg and not interpret else {}
     _index_topk_kernel[(tiles, num_splits)](
         q, k, scale, bt, cu, kv, out, ws_val, ws_id,
         k.stride(0), k.stride(1), scale.stride(0), bt.stride(0),
@@ -579,9 +584,10 @@ def _index_topk_launch(
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size,
         TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
         BM=bm, BK=bk, CH=ch, TPB=tpb, NBT=nbt, SAME_PAGE=same_page, BATCH_P2=batch_p2,
-        DOT_FP32=dot_fp32, FP8=fp8, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32, KEY_MAJOR=key_major,
+        DOT_FP32=dot_fp32, K_SCALE=token_scales, FP8_DOT=fp8_dot, K_CAST=k_cast and not dot_fp32,
+        KEY_MAJOR=key_major,
         FINAL=final,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if not final:
         total_rows = num_tokens * heads
