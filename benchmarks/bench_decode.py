@@ -677,6 +677,8 @@ def parse_variants(s: str) -> list[tuple[int, int, int, int, int, int]]:
                 raise SystemExit(
                     f"--variants: expected block_n:warps:stages:programs_per_sm[:fused[:kept counts]], got {item!r}"
                 )
+            if vals[5] and not vals[4]:
+                raise SystemExit(f"--variants: kept counts are the in-place merge's, so need fused 1: {item!r}")
             out.append(vals)
     return out
 

@@ -21,7 +21,7 @@ What it checks:
 
 ``--impl`` sets M3_SPARSE_IMPL for the run. The default, ``auto``, is what a user gets:
 on CUDA every op runs a Triton kernel (the index top-k; the sparse layer's
-``sparse_attention``: KV-outer for a prompt of more than 1024 tokens, the decode kernel
+``sparse_attention``: KV-outer for a prompt of more than 256 tokens, the decode kernel
 for shorter ones and for the decode steps; the full-attention layer's dense kernel), on
 the CPU the torch code. ``triton`` pins the Triton kernels (on the CPU under
 ``TRITON_INTERPRET=1``, slow), ``torch`` the torch code.

@@ -206,7 +206,7 @@ def case_index_decode(torch, m3, g):
     return results
 
 
-@case("index_fp8", "index_topk with float8_e4m3fn keys and per-token scales, with and without fp8 dots")
+@case("index_fp8", "index_topk with float8_e4m3fn keys, per-token scales or one scale, with and without fp8 dots")
 def case_index_fp8(torch, m3, g):
     results = []
     if not hasattr(torch, "float8_e4m3fn"):
@@ -222,8 +222,9 @@ def case_index_fp8(torch, m3, g):
         # One scale for the cache: the kernel reads no scale.
         one = (k.abs().amax() / 448.0).clamp(min=1e-12).reshape(1)
         codes1 = (k / one).clamp(-448, 448).to(torch.float8_e4m3fn)
-        _index_runs(torch, m3, results, f"{label} one scale, fp8_dot=True", batch, iq, codes1, 16, 128, 1,
-                    scale=one, fp8_dot=True, splits=(1, 3))
+        for fp8_dot in (False, True):
+            _index_runs(torch, m3, results, f"{label} one scale, fp8_dot={fp8_dot}", batch, iq, codes1, 16, 128, 1,
+                        scale=one, fp8_dot=fp8_dot, splits=(1, 3))
     return results
 
 
@@ -315,7 +316,7 @@ def case_dense(torch, m3, g):
     return results
 
 
-@case("decode_attention", "sparse_decode_attention (the decode kernel), when m3_sparse exports it")
+@case("decode_attention", "sparse_decode_attention (the decode kernel), when m3_sparse exports it; also on kept arrival counts")
 def case_decode_attention(torch, m3, g):
     fn = getattr(m3, "sparse_decode_attention", None)
     if fn is None:

@@ -221,6 +221,11 @@ def test_fp8_argument_errors():
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=torch.ones(1, dtype=torch.float64))
     with pytest.raises(TypeError, match="index_k_scale: expected a torch.Tensor"):
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=0.5)
+    with pytest.raises(ValueError, match="index_k_scale: only an fp8"):
+        run_index(kernel, iq, cache, tables, cu, kv, **ok, index_k_scale=torch.ones(1))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="index_k_scale: a per-tensor scale must be positive and finite"):
+            run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=torch.full((1,), bad))
     with pytest.raises(ValueError, match="index_k_scale: expected a tensor on cpu"):
         run_index(kernel, iq, codes, tables, cu, kv, **ok, index_k_scale=scales.to("meta"))
     with pytest.raises(ValueError, match="fp8_dot: only applies"):
@@ -316,8 +321,8 @@ def test_cache_rejects_bad_options(sparse_model):
         M3PagedCache(cfg, 1, 64, index_key_dtype=FP8, index_fp8_dot="yes")
     with pytest.raises(ValueError, match="index_k_scale: a scale of fp8 index keys"):
         M3PagedCache(cfg, 1, 64, index_k_scale=0.1)
-    for bad in (0.0, -1.0, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="index_k_scale: expected a positive finite float"):
+    for bad in (0.0, -1.0, float("nan"), True, "0.1", 1e39, 1e-40):
+        with pytest.raises(ValueError, match="index_k_scale: expected a positive finite float32"):
             M3PagedCache(cfg, 1, 64, index_key_dtype=FP8, index_k_scale=bad)
 
 

@@ -152,7 +152,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
 
     Returns block indices ``[B, index_heads, Sq, topk]`` (``-1`` padded) like the stock
     indexer, computed by ``m3_sparse.index_topk`` over the paged index-key cache (fp8
-    codes and their per-token scales when the cache was built with
+    codes and their scales, per token or one for the pool, when the cache was built with
     ``index_key_dtype=torch.float8_e4m3fn``).
     """
     if not is_active(self.config):

@@ -129,7 +129,8 @@ class M3PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.is_sparse = is_sparse
         self.index_keys: torch.Tensor | None = None
-        self.index_scales: torch.Tensor | None = None  # [pages + 1, page_size] fp32 with fp8 index keys
+        # fp8 index keys: fp32 [pages + 1, page_size] per token, or [1] with one scale for the pool.
+        self.index_scales: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None  # [B] int32 committed tokens per sequence
         self.step_kv_lens: torch.Tensor | None = None  # [B] int32 tokens visible to the current step
         self.pending: torch.Tensor | None = None  # [B] int32 tokens the current step will commit
@@ -221,7 +222,9 @@ class M3PagedLayer(CacheLayerMixin):
 
     def _write(self, pool: torch.Tensor, states: torch.Tensor, scale: float | None = None) -> None:
         page, slot = self._step_page, self._step_slot
-        if scale is not None:  # fp8 K/V: e4m3 codes of states / scale, saturated at e4m3's largest value
+        # fp8 K/V, or fp8 index keys with one scale: e4m3 codes of states / scale, saturated
+        # at e4m3's largest value.
+        if scale is not None:
             states = (states.float() / scale).clamp(-FP8_MAX, FP8_MAX)
         if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
             pool.permute(0, 2, 1, 3).index_put_((page, slot), states.transpose(1, 2).to(pool.dtype))
@@ -348,7 +351,7 @@ class M3PagedCache(Cache):
             saturated at +-448, no scale is stored per token, and the GPU index kernel
             skips a multiply per score (a per-tensor scale cannot change a ranking): on an
             H200 the fp8-dot index of a 128K prompt takes 10.3 ms instead of 11.7-11.9 ms,
-            a decode step's 146 us instead of 153 us (batch 32 x 128K). Choose it so that ``|k| /
+            a decode step's 144-146 us instead of 151-154 us (batch 32 x 128K). Choose it so that ``|k| /
             index_k_scale`` stays within 448 (index keys are RMS-normed, so their range is
             known from the norm weights). Default None: per-token scales.
         index_fp8_dot: with fp8 index keys, also quantize the index queries to e4m3 inside the
@@ -411,9 +414,13 @@ class M3PagedCache(Cache):
                 raise ValueError(
                     "index_k_scale: a scale of fp8 index keys; pass index_key_dtype=torch.float8_e4m3fn too"
                 )
+            fp32 = torch.finfo(torch.float32)
             if isinstance(index_k_scale, bool) or not isinstance(index_k_scale, (int, float)) \
-                    or not math.isfinite(index_k_scale) or index_k_scale <= 0:
-                raise ValueError(f"index_k_scale: expected a positive finite float, got {index_k_scale!r}")
+                    or not math.isfinite(index_k_scale) or not fp32.tiny <= index_k_scale <= fp32.max:
+                raise ValueError(
+                    f"index_k_scale: expected a positive finite float32 value (in [{fp32.tiny:.3g}, {fp32.max:.3g}]), "
+                    f"got {index_k_scale!r}"
+                )
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is None:
                 continue
@@ -529,5 +536,7 @@ class M3PagedCache(Cache):
             f"M3PagedCache(batch={self.max_batch}, max_cache_len={self.max_cache_len}, page_size={self.page_size}, "
             f"num_pages={self.num_pages}, layers={len(self.layers)}"
             + (f", index_key_dtype={self.index_key_dtype}" if self.index_key_dtype is not None else "")
+            + (f", index_k_scale={self.index_k_scale}" if self.index_k_scale is not None else "")
+            + (", index_fp8_dot=True" if self.index_fp8_dot else "")
             + ")"
         )

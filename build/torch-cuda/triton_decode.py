@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
+from ._validate import value_checks_enabled
 from .decode_attention import MAX_TRITON_TOPK
 
 LOG2E = 1.4426950408889634
@@ -210,7 +211,9 @@ def _decode_split_kernel(
         # key may hold anything and are never used to address K/V.
         offs_p = tl.arange(0, PPB)
         b_first = b_ids[:, None] * BS + offs_p[None, :] * PS  # [TOPK_P2, PPB] first key of each page
-        b_pages = tl.load(bt_row + b_first // PS, mask=(b_ids >= 0)[:, None] & (b_first < table_keys), other=0)
+        # (The id bound first, so that b_first cannot overflow for an id far out of range.)
+        b_in = (b_ids >= 0) & (b_ids < (table_keys + BS - 1) // BS)  # [TOPK_P2]
+        b_pages = tl.load(bt_row + b_first // PS, mask=b_in[:, None] & (b_first < table_keys), other=0)
     k_head = k_ptr + g.to(tl.int64) * stride_kh
     v_head = v_ptr + g.to(tl.int64) * stride_vh
     m_i = tl.full([RP], float("-inf"), tl.float32)
@@ -469,6 +472,8 @@ def run_decode_triton(
     merge = not final and bool(DECODE_CONFIG["fused_merge"] if fused_merge is None else fused_merge)
     seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
     counts = None
+    if arrival_counts is not None:
+        arrival_counts = _check_counts(arrival_counts, num_tokens * hkv, device)
     if final:
         o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
     else:
@@ -477,7 +482,7 @@ def run_decode_triton(
         m_buf = torch.empty(rows, dtype=torch.float32, device=device)
         l_buf = torch.empty(rows, dtype=torch.float32, device=device)
         if merge and arrival_counts is not None:
-            counts = _check_counts(arrival_counts, num_tokens * hkv, device)
+            counts = arrival_counts
         elif merge:
             # Zeroed by each call (and by each replay of a captured one).
             counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
@@ -553,6 +558,9 @@ def _check_counts(counts, needed: int, device) -> torch.Tensor:
             f"arrival_counts: expected a contiguous tensor of at least {needed} elements (tokens x kv heads), "
             f"got shape {tuple(counts.shape)}"
         )
+    if value_checks_enabled(counts) and bool(counts[:needed].any()):
+        # A count left nonzero would make a pair merge early (on unwritten partials) or never.
+        raise ValueError("arrival_counts: expected zeros (each launch leaves them zero), got nonzero counts")
     return counts
 
 

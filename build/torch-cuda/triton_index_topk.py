@@ -440,8 +440,9 @@ def index_topk_triton(
     row-tile height; without it ``ceil(Tq / batch)`` is assumed. Any value gives
     the same result, only the speed differs.
 
-    ``index_k_scale``: with an fp8 (e4m3) ``index_k_cache``, the per-token fp32
-    dequantization scale ``[pages, page_size]`` (key = cache * scale). The keys
+    ``index_k_scale``: with an fp8 (e4m3) ``index_k_cache``, the fp32 dequantization
+    scale (key = cache * scale), per token ``[pages, page_size]`` or one element for the
+    whole cache (positive and finite; the kernel then reads no scale). The keys
     are widened to the query dtype in registers (half the key bytes, only the
     keys' rounding), unless ``fp8_dot``: then the query rows are quantized to
     e4m3 too and the dot runs on the fp8 tensor cores (faster prefill, noisier

@@ -102,6 +102,9 @@ cases = {
     "index top-k decode split": lambda: index_topk(BM=16, final=False, BATCH_P2=64),
     "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, K_SCALE=True, FP8_DOT=True),
     "index top-k fp8 keys, per-tensor scale, fp8 dot": lambda: index_topk(k=F8, FP8_DOT=True),
+    "index top-k fp8 keys, per-tensor scale, widened": lambda: index_topk(k=F8, BM=16, K_CAST=True, final=False),
+    "index top-k fp8 keys, per-tensor scale, widened, key-major": lambda: index_topk(
+        k=F8, BM=16, K_CAST=True, final=False, KEY_MAJOR=True),
     "index top-k fp8 keys, per-tensor scale, fp8 dot, key-major": lambda: index_topk(
         k=F8, BM=16, FP8_DOT=True, final=False, KEY_MAJOR=True),
     "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, K_SCALE=True, K_CAST=True, final=False),

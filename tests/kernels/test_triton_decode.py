@@ -185,7 +185,7 @@ def test_merge_in_place_equals_merge_kernel(num_splits):
 
 def test_kept_arrival_counts_are_left_zero():
     """A count buffer kept by the caller: each launch leaves it zero, so repeated calls
-    (and calls of another shape) get the result of a fresh buffer."""
+    (and a call with another split count) get the result of a fresh buffer."""
     batch, q, k, v, sel = _setup(97, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
     counts = torch.zeros(q.shape[0] * 2 + 5, dtype=torch.int32, device=DEVICE)
     fresh = _run_triton(batch, q, k, v, sel, 32, num_splits=3)
@@ -198,18 +198,23 @@ def test_kept_arrival_counts_are_left_zero():
     assert torch.count_nonzero(counts).item() == 0
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize(
     "bad, match",
     [
         (lambda n, d: torch.zeros(n, dtype=torch.int64, device=d), "int32"),
         (lambda n, d: torch.zeros(n - 1, dtype=torch.int32, device=d), "at least"),
         (lambda n, d: torch.zeros(2 * n, dtype=torch.int32, device=d)[::2], "contiguous"),
+        (lambda n, d: torch.ones(n, dtype=torch.int32, device=d), "expected zeros"),
     ],
 )
-def test_arrival_counts_are_checked(bad, match):
+def test_arrival_counts_are_checked(bad, match, num_splits, monkeypatch):
+    """Checked whenever given, also where the launch needs no merge; nonzero counts
+    (value checks: on the CPU, or with M3_SPARSE_DEBUG on a GPU) are refused."""
+    monkeypatch.setenv("M3_SPARSE_DEBUG", "1")
     batch, q, k, v, sel = _setup(98, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
     with pytest.raises(ValueError, match=match):
-        _run_triton(batch, q, k, v, sel, 32, num_splits=2, arrival_counts=bad(q.shape[0] * 2, DEVICE))
+        _run_triton(batch, q, k, v, sel, 32, num_splits=num_splits, arrival_counts=bad(q.shape[0] * 2, DEVICE))
 
 
 def test_repeated_ids_count_once_and_empty_rows():
@@ -242,7 +247,8 @@ def test_all_slots_empty(num_splits):
 @pytest.mark.parametrize("pad", [-1, 2**31 - 1])
 def test_block_table_padding_never_addresses_kv(pad):
     # Local blocks end inside a page whose table successors hold `pad`; block 64 > page 16.
-    # The entries may be loaded with the rest of a selected block's row, never followed.
+    # Entries of any selected id inside the table row may be loaded (also of blocks past the
+    # kv length); they are never followed to K/V.
     batch, q, k, v, sel = _setup(80, [(40, 3), (100, 2), (16, 2)], 16, 64, 4, 2, 16, 3, torch.float32, pad=pad)
     batch.block_tables[:, -1] = pad
     ref = _oracle(batch, q, k, v, sel, 64)

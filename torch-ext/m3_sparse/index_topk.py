@@ -22,7 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import FLOAT_DTYPES, SUPPORTED_PAGE_SIZES, check_dim, check_positive_int, check_tensor, check_varlen
+import math
+
+from ._validate import (
+    FLOAT_DTYPES,
+    SUPPORTED_PAGE_SIZES,
+    check_dim,
+    check_positive_int,
+    check_tensor,
+    check_varlen,
+    value_checks_enabled,
+)
 from ._dispatch import index_unsupported, use_triton
 from .layout import gather_tokens, key_extent, token_positions
 
@@ -46,7 +56,7 @@ def check_index_k_scale(index_k_cache: torch.Tensor, index_k_scale) -> None:
     tensor (one element); any other cache must come without one (a stray scale would
     otherwise be silently ignored)."""
     if index_k_cache.dtype in FP8_INDEX_DTYPES:
-        want = f"per-token {tuple(index_k_cache.shape[:2])} ([pages, page_size]) or per-tensor (1,)"
+        want = f"per-token {tuple(index_k_cache.shape[:2])} ([pages, page_size]) or per-tensor (1,) or ()"
         if index_k_scale is None:
             raise ValueError(
                 "index_k_scale: required with an fp8 (float8_e4m3fn) index_k_cache: pass its fp32 "
@@ -55,6 +65,12 @@ def check_index_k_scale(index_k_cache: torch.Tensor, index_k_scale) -> None:
         check_tensor("index_k_scale", index_k_scale, dtypes=(torch.float32,), device=index_k_cache.device)
         if not is_tensor_scale(index_k_scale) and tuple(index_k_scale.shape) != tuple(index_k_cache.shape[:2]):
             raise ValueError(f"index_k_scale: expected shape {want}, got {tuple(index_k_scale.shape)}")
+        if is_tensor_scale(index_k_scale) and value_checks_enabled(index_k_scale):
+            # The GPU kernel never reads a per-tensor scale: only a positive finite one
+            # leaves the ranking (and so the torch path's result) unchanged.
+            v = float(index_k_scale.reshape(()))
+            if not math.isfinite(v) or v <= 0:
+                raise ValueError(f"index_k_scale: a per-tensor scale must be positive and finite, got {v}")
     elif index_k_scale is not None:
         raise ValueError(
             "index_k_scale: only an fp8 (float8_e4m3fn) index_k_cache takes a scale; index_k_cache is "
@@ -138,7 +154,7 @@ def index_topk(
     index_k_scale: fp32, required with an fp8 ``index_k_cache`` and rejected otherwise:
     per token, ``[pages, page_size]`` (key ``j`` is ``index_k_cache[j].float() *
     index_k_scale[j]``), or per tensor, one element (every key times the same positive
-    scale; the GPU kernel then skips the per-score multiply: faster, same ranking).
+    finite scale; the GPU kernel then skips the per-score multiply: faster, same ranking).
     fp8_dot: fp8 caches only, and only the Triton path reads it: the query rows are
     quantized to e4m3 as well so the scores run on the fp8 tensor cores (faster
     prefill, noisier ranking). The torch path always scores the exact query
