@@ -54,16 +54,21 @@ def make_inputs(n: int, seed: int = 0):
     )
 
 
-def quantize_fp8(p):
-    """The fp8 layer's inputs: per-tensor e4m3 q/K/V, per-token e4m3 index keys."""
+def quantize_fp8(p, index_scale="token"):
+    """The fp8 layer's inputs: per-tensor e4m3 q/K/V; e4m3 index keys with a scale per
+    token, or ("tensor") one scale for the cache, which the index kernel does not read."""
     f8 = torch.float8_e4m3fn
     out = dict(p)
     for name in ("q", "k", "v"):
         scale = p[name].abs().amax().float() / 448.0
         out[name] = (p[name].float() / scale).to(f8)
         out[f"{name}_scale"] = scale.reshape(1)
-    ik_scale = p["ik"].abs().amax(-1).float().clamp(min=1e-12) / 448.0  # [pages, PAGE]
-    out["ik"] = (p["ik"].float() / ik_scale[..., None]).to(f8)
+    if index_scale == "tensor":
+        ik_scale = (p["ik"].abs().amax().float().clamp(min=1e-12) / 448.0).reshape(1)
+        out["ik"] = (p["ik"].float() / ik_scale).clamp(-448, 448).to(f8)
+    else:
+        ik_scale = p["ik"].abs().amax(-1).float().clamp(min=1e-12) / 448.0  # [pages, PAGE]
+        out["ik"] = (p["ik"].float() / ik_scale[..., None]).to(f8)
     out["ik_scale"] = ik_scale
     return out
 
@@ -82,10 +87,10 @@ def sparse_layer(p, budget):
     return out
 
 
-def measure(n, budget, dense_max, fp8=False):
+def measure(n, budget, dense_max, fp8=False, index_scale="token"):
     p = make_inputs(n)
     if fp8:
-        p = quantize_fp8(p)
+        p = quantize_fp8(p, index_scale)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -98,7 +103,8 @@ def measure(n, budget, dense_max, fp8=False):
         dense, _ = dense_cudnn({"q": make_inputs(n)["q"] if fp8 else p["q"], "n_seq": 1, "seq_len": n})
     del p
     torch.cuda.empty_cache()
-    return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense, fp8=fp8)
+    return dict(n=n, budget=budget, ms=t, peak_gib=peak / GIB, dense_ms=dense, fp8=fp8,
+                index_scale=index_scale if fp8 else None)
 
 
 # Kernel name -> stage, for the per-budget breakdown.
@@ -194,6 +200,8 @@ def main():
                     help="GiB budgets for --profile; small ones give short query windows (below ~0.04 GiB a "
                          "window's partials fit in L2)")
     ap.add_argument("--fp8", action="store_true", help="also run every row with fp8 q/K/V and fp8 index keys")
+    ap.add_argument("--index-scale", default="token", choices=("token", "tensor"),
+                    help="fp8 index keys: a scale per token (default) or one for the cache")
     args = ap.parse_args()
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -205,7 +213,7 @@ def main():
     kinds = [False, True] if args.fp8 else [False]
     for n in [int(x) for x in args.sizes.split(",")]:
         for fp8 in kinds:
-            rows.append(measure(n, default, args.dense_max, fp8))
+            rows.append(measure(n, default, args.dense_max, fp8, args.index_scale))
             print(rows[-1], flush=True)
     if 131072 in [int(x) for x in args.sizes.split(",")]:
         for b in args.budgets.split(","):
@@ -213,7 +221,7 @@ def main():
             if budget == default:
                 continue
             for fp8 in kinds:
-                rows.append(measure(131072, budget, 0, fp8))
+                rows.append(measure(131072, budget, 0, fp8, args.index_scale))
                 print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_long_prefill.json").write_text(json.dumps(rows, indent=1))
@@ -223,7 +231,8 @@ def main():
         b = "unbounded" if r["budget"] >= 1 << 49 else f"{r['budget'] / GIB:g} GiB"
         d = f"{r['dense_ms']:.1f}" if r["dense_ms"] else "-"
         ratio = f"{r['dense_ms'] / r['ms']:.1f}" if r["dense_ms"] else "-"
-        print(f"| {r['n']} | {'fp8' if r['fp8'] else 'bf16'} | {b} | {r['ms']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
+        kind = f"fp8 ({r['index_scale']} index scale)" if r["fp8"] else "bf16"
+        print(f"| {r['n']} | {kind} | {b} | {r['ms']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
 
 
 if __name__ == "__main__":
