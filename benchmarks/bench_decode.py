@@ -58,6 +58,7 @@ from triton.testing import do_bench  # noqa: E402
 import m3_sparse  # noqa: E402
 from m3_sparse import triton_decode as tdec  # noqa: E402
 from m3_sparse.triton_index_topk import _index_topk_launch  # noqa: E402
+from bench_index import canon, quantize_e4m3, quantize_e4m3_tensor  # noqa: E402
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 G = HQ // HKV
@@ -464,7 +465,8 @@ HI, DI = 4, 128  # index heads, index head dim
 
 def step_section(pool: Pool, args) -> list[dict]:
     """(c): one sparse layer's decode step, batch args.batch x 1 new token: the index
-    top-k over the paged index keys (bf16, or e4m3 with per-token scales and the fp8 dot)
+    top-k over the paged index keys (bf16, or e4m3 with the fp8 dot and per-token scales or
+    one scale for the cache)
     and the decode attention on its selections, captured together; each part also alone,
     all as calls inside a graph of many (L2 flushed before each). Dense decode attention
     over the full context in the same run."""
@@ -474,11 +476,9 @@ def step_section(pool: Pool, args) -> list[dict]:
     pages = pool.k.shape[0]
     iq = torch.randn(b, HI, DI, device=dev, dtype=torch.bfloat16, generator=gen)
     ik = torch.randn(pages, pool.page, DI, device=dev, dtype=torch.bfloat16, generator=gen)
-    ik_scale = ik.float().abs().amax(-1).clamp(min=1e-12) / 448.0
-    ik8 = (ik.float() / ik_scale[..., None]).to(torch.float8_e4m3fn)
+    ik8, ik_scale = quantize_e4m3(ik)
     # One scale for the cache (M3PagedCache(index_k_scale=...)): no scale read in the kernel.
-    one_scale = (ik.float().abs().amax() / 448.0).reshape(1)
-    ik8_one = (ik.float() / one_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ik8_one, one_scale = quantize_e4m3_tensor(ik)
     kept = torch.zeros(b * HKV, dtype=torch.int32, device=dev)
     dense = dense_sdpa(p, pool.ctx)[0] if args.dense else None
     # Floors: the index keys read once, and the selected K/V (the step's own selections).
@@ -529,7 +529,7 @@ def step_section(pool: Pool, args) -> list[dict]:
                     iq, cache, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
                     max_seqlen_q=1, num_splits=sp, **extra,
                 )
-            same = bool(torch.equal(canon_sel(index_sp()), canon_sel(sel)))
+            same = bool(torch.equal(canon(index_sp()), canon(sel)))
             r["index_splits"][sp] = (bench_graph_amortized(index_sp), same)
             log(f"  (c) {keys} index keys, {sp} splits: {r['index_splits'][sp][0]:.1f} us, same selection {same}")
         r["attention"] = bench_graph_amortized(attention)
@@ -544,13 +544,6 @@ def step_section(pool: Pool, args) -> list[dict]:
     del p, iq, ik, ik8, ik_scale, ik8_one
     empty_cache()
     return rows
-
-
-def canon_sel(sel: torch.Tensor) -> torch.Tensor:
-    """Selections as sorted sets (-1 last), to compare launches of the index kernel."""
-    big = torch.iinfo(torch.int32).max
-    s_ = torch.where(sel < 0, big, sel).sort(-1).values
-    return torch.where(s_ == big, -1, s_)
 
 
 def table_c(rows: list[dict]) -> str:

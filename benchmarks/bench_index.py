@@ -150,7 +150,7 @@ def quantize_e4m3(x):
     return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def FP8_MODES(codes, scale, codes1, scale1):
+def fp8_modes(codes, scale, codes1, scale1):
     """(name, codes, scale, fp8_dot) of the fp8 columns: per-token scales with the keys
     widened or the fp8 dot, and one scale for the cache with the fp8 dot."""
     return (("fp8", codes, scale, False), ("fp8dot", codes, scale, True), ("fp8dot1", codes1, scale1, True))
@@ -414,7 +414,7 @@ def main():
                 bs = sc.view(n, HEADS, n // BLOCK, BLOCK).amax(-1).cpu()
                 del sc
             codes1, scale1 = quantize_e4m3_tensor(cache)
-            for mode, c8, s8, dot in FP8_MODES(codes, scale, codes1, scale1):
+            for mode, c8, s8, dot in fp8_modes(codes, scale, codes1, scale1):
                 f8 = lambda: run_triton(iq, c8, tables, cu, kv, n, index_k_scale=s8, fp8_dot=dot)  # noqa: E731
                 sel8 = f8()
                 t8 = bench_graph(f8)
@@ -469,7 +469,7 @@ def main():
             bs = sc.view(batch, HEADS, ctx // BLOCK, BLOCK).amax(-1).cpu()
             del sc
             codes1, scale1 = quantize_e4m3_tensor(cache)
-            for mode, c8, s8, dot in FP8_MODES(codes, scale, codes1, scale1):
+            for mode, c8, s8, dot in fp8_modes(codes, scale, codes1, scale1):
                 f8 = lambda: run_triton(iq, c8, tables, cu, kv, 1, index_k_scale=s8, fp8_dot=dot)  # noqa: E731
                 sel8 = f8()
                 t8 = bench_graph(f8)
