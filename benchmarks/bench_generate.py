@@ -18,7 +18,8 @@ Configurations (``--configs``):
   of generate() and the default dispatch (``M3_SPARSE_IMPL=auto``, set for the cell so
   an inherited value cannot change what the row measures). On CUDA every op runs a
   Triton kernel: the index top-k, the sparse layers' ``sparse_attention`` (the decode
-  kernel while a sequence brings at most 256 query rows, so every decode step; KV-outer
+  kernel while a sequence brings at most interface.decode_max_queries() query rows (96 on
+  the H200 with M3's shapes), so every decode step; KV-outer
   for the longer prefills) and the full-attention layers' ``dense_paged_attention``
   (also taken by a sparse layer while its history is so short that every block is
   selected). On the CPU the same dispatch runs the torch reference code.
@@ -92,7 +93,7 @@ CONFIGS = {
     "dense": "dense model (every layer full attention, same weights without the indexers), sdpa with cuDNN first, "
     "static cache",
     "m3_sparse": "m3_sparse, M3PagedCache, default dispatch (M3_SPARSE_IMPL=auto): on CUDA every op on Triton "
-    "(index top-k; sparse_attention = decode kernel at <= 256 query rows per sequence, else KV-outer; dense kernel "
+    "(index top-k; sparse_attention = decode kernel up to decode_max_queries() query rows per sequence, else KV-outer; dense kernel "
     "in the full-attention layers)",
     "sdpa": "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache",
 }

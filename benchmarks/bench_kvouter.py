@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import m3_sparse  # noqa: E402
+from m3_sparse import gluon_kvouter as gkv  # noqa: E402
 from m3_sparse import triton_combine as tcomb  # noqa: E402
 from m3_sparse import triton_kvouter as tkv  # noqa: E402
 from m3_sparse import triton_kvouter_index as tidx  # noqa: E402
@@ -127,6 +128,17 @@ def traffic(index, n_tokens: int) -> dict:
 
 
 # --------------------------------------------------------------------------- timing
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor, used: int, rows: int = 1 << 18) -> float:
+    """Relative L2 difference of two partial buffers over their first and last ``rows`` used
+    entries (the whole buffers at 128K would need another 68 GB as fp32); -inf (a row that saw
+    no key) counts as 0 on both sides, so two equal buffers give 0."""
+    if used == 0:
+        return 0.0
+    idx = torch.cat([torch.arange(min(rows, used)), torch.arange(max(0, used - rows), used)]).to(a.device)
+    x, y = (t[idx].float().nan_to_num(posinf=0.0, neginf=0.0) for t in (a, b))
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
 def bench(fn, rep_ms=200):
@@ -288,21 +300,31 @@ def run_config(name, pattern, n_seq, seq_len, args):
         if not torch.equal(getattr(sched, f), getattr(sched_torch, f)):
             raise SystemExit(f"{name} {pattern}: Triton scheduler differs from torch in {f}")
     del index_torch, sched_torch
-    attn = lambda: tkv.kvouter_partials_triton(  # noqa: E731
-        q, k, v, index, sched, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=scale, causal=True, block_size=BLOCK
+    attn_eng = lambda eng: lambda: tkv.kvouter_partials_triton(  # noqa: E731
+        q, k, v, index, sched, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=scale, causal=True, block_size=BLOCK,
+        engine=eng,
     )
+    attn, attn_tl = attn_eng(None), attn_eng("triton")
     parts = attn()
+    parts_tl = attn_tl()
+    # o, m and l of the default engine against the tl kernel on the same schedule.
+    eng_diff = max(rel_diff(x, y, int(index.seg_offsets[-1])) for x, y in zip(parts, parts_tl))
+    del parts_tl
     comb = lambda: tcomb.combine_triton(*parts, index.slot_of, out_dtype=q.dtype, return_lse=False)  # noqa: E731
     module = lambda: tkv.kvouter_attention_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv)  # noqa: E731
     out, lse = tkv.kvouter_attention_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
     err = sampled_check(p, out, lse)
     del out, lse
-    r = dict(name=name, pattern=pattern, n=n, err=err)
+    # The kernel "attn" ran: the TMA kernel where it applies under the configured engine.
+    why = gkv.unsupported_reason(q, k, v, BLOCK, None, None, tile_q, index.capacity * group)
+    ran = "triton" if tkv.ATTN_CONFIG["engine"] == "triton" or why else "tma"
+    r = dict(name=name, pattern=pattern, n=n, err=err, eng_diff=eng_diff, engine=ran)
     r["t_build"] = bench(build)
     r["t_sched"] = bench(lambda: tsched.schedule_triton(index, tile_q=tile_q, num_programs=nprog))
     r["t_build_torch"] = bench(build_torch)
     r["t_sched_torch"] = bench(lambda: m3_sparse.schedule(index, tile_q=tile_q, num_programs=nprog))
     r["t_attn"] = bench(attn)
+    r["t_attn_tl"] = bench(attn_tl)
     r["t_comb"] = bench(comb)
     del parts
     r["t_module"] = bench(module)
@@ -321,7 +343,8 @@ def run_config(name, pattern, n_seq, seq_len, args):
     torch.cuda.empty_cache()
     log(
         f"  build {r['t_build']:.3f} (torch {r['t_build_torch']:.3f}) sched {r['t_sched']:.3f} "
-        f"(torch {r['t_sched_torch']:.3f}) attn {r['t_attn']:.3f} comb {r['t_comb']:.3f} "
+        f"(torch {r['t_sched_torch']:.3f}) attn [{ran}] {r['t_attn']:.3f} (tl kernel {r['t_attn_tl']:.3f}, "
+        f"rel. diff {eng_diff:.1e}) comb {r['t_comb']:.3f} "
         f"module {r['t_module']:.3f} ms | attn {r['flops'] / r['t_attn'] / 1e9:.0f} TFLOP/s, "
         f"attn {tr['attn'] / r['t_attn'] / 1e6:.0f} GB/s, comb {tr['combine'] / r['t_comb'] / 1e6:.0f} GB/s | "
         f"floor {r['floor']:.2f} ms | err {err:.2e} | tiles {r['num_tiles']} nsb {r['nsb']}"
@@ -386,7 +409,7 @@ def tune(args):
                     if ref is None:
                         ref, err = parts, 0.0
                     else:
-                        err = float((parts[0][:used].float() - ref[0][:used].float()).norm() / ref[0][:used].float().norm())
+                        err = rel_diff(parts[0], ref[0], used)
                         del parts
                     t = bench(fn)
                     totals[("a", var)] = totals.get(("a", var), 0.0) + t
@@ -394,6 +417,24 @@ def tune(args):
                 except Exception as e:  # noqa: BLE001
                     totals[("a", var)] = float("inf")
                     rows.append((size, pattern, name, float("nan"), 0, f"{type(e).__name__}: {str(e)[:80]}"))
+                log(rows[-1])
+            for pps in args.tma_programs:
+                # The TMA kernel (gluon_kvouter) has one launch setting: programs per SM.
+                var = ("tma", pps)
+                sched = m3_sparse.schedule(index, tile_q=64 // group, num_programs=sms * pps)
+                fn = lambda: tkv.kvouter_partials_triton(  # noqa: E731
+                    q, k, v, index, sched, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=D**-0.5,
+                    block_size=BLOCK, engine="tma",
+                )
+                try:
+                    parts = fn()
+                    err = rel_diff(parts[0], ref[0], used)
+                    del parts
+                    t = bench(fn)
+                    totals[("t", var)] = totals.get(("t", var), 0.0) + t
+                    rows.append((size, pattern, f"attn tma p{pps}", t, flops / t / 1e9, f"{err:.1e}"))
+                except Exception as e:  # noqa: BLE001
+                    rows.append((size, pattern, f"attn tma p{pps}", float("nan"), 0, f"{type(e).__name__}: {str(e)[:80]}"))
                 log(rows[-1])
             for var in args.comb_variants:
                 brows, warps = var
@@ -421,15 +462,15 @@ def fmt(x, nd=2):
 
 def table(results):
     head = (
-        "| config | build | sched | build torch | sched torch | attn | combine | module | attn TFLOP/s | "
+        "| config | build | sched | build torch | sched torch | attn | attn tl | combine | module | attn TFLOP/s | "
         "module TFLOP/s | module GB/s | floor | module/floor | workspace GB | cuDNN dense | Flex | dense/module | err |"
     )
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 19]
     for r in results:
         dense = r.get("t_dense")
         lines.append(
-            f"| {r['name']} {r['pattern']} | {fmt(r['t_build'])} | {fmt(r['t_sched'])} | {fmt(r['t_build_torch'])} | "
-            f"{fmt(r['t_sched_torch'])} | {fmt(r['t_attn'])} | "
+            f"| {r['name']} {r['pattern']} ({r['engine']}) | {fmt(r['t_build'])} | {fmt(r['t_sched'])} | {fmt(r['t_build_torch'])} | "
+            f"{fmt(r['t_sched_torch'])} | {fmt(r['t_attn'])} | {fmt(r['t_attn_tl'])} | "
             f"{fmt(r['t_comb'])} | {fmt(r['t_module'])} | {r['flops'] / r['t_attn'] / 1e9:.0f} | "
             f"{r['flops'] / r['t_module'] / 1e9:.0f} | {r['bytes'] / r['t_module'] / 1e6:.0f} | {fmt(r['floor'])} | "
             f"{r['t_module'] / r['floor']:.2f} | {r['workspace'] / 1e9:.2f} | {fmt(dense)} | {fmt(r.get('t_flex'))} | "
@@ -466,6 +507,8 @@ def main():
     ap.add_argument("--comb-variants", default="8:4,16:4,16:2,32:8", help="rows:num_warps,...")
     ap.add_argument("--attn-config", default=None, help="tile_rows:num_warps:num_stages:programs_per_sm:maxnreg:loop")
     ap.add_argument("--comb-config", default=None, help="rows:num_warps for the main run")
+    ap.add_argument("--tma-programs", default="2,4,8", help="--tune: programs per SM of the TMA kernel")
+    ap.add_argument("--engine", default=None, choices=tkv.ENGINES, help="partials kernel of the main run (default: ATTN_CONFIG)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     args.sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -475,6 +518,9 @@ def main():
     args.flex_configs = set(args.flex_configs.split(","))
     args.attn_variants = parse_variants(args.attn_variants, 6)
     args.comb_variants = parse_variants(args.comb_variants, 2)
+    args.tma_programs = [int(x) for x in args.tma_programs.split(",") if x]
+    if args.engine:
+        tkv.ATTN_CONFIG["engine"] = args.engine
     if args.attn_config:
         tr, w, s_, pps, nreg, lp = (int(x) for x in args.attn_config.split(":"))
         tkv.ATTN_CONFIG.update(

@@ -114,6 +114,7 @@ STAGES = (
     ("_scatter_kernel", "build"),
     ("_emit_tiles_kernel", "schedule"),
     ("_kvouter_partials_kernel", "partials"),
+    ("_kvouter_partials_tma_kernel", "partials"),
     ("_combine_kernel", "combine"),
 )
 

@@ -250,7 +250,8 @@ def case_kvouter(torch, m3, g):
     seqs = [(300, 40), (17, 17), (3, 6), (0, 0), (260, 1), (129, 3)]
     sliced = "max_workspace_bytes" in inspect.signature(m3.kvouter_attention).parameters
     for dtype, hq, hkv, d, page, block, topk, causal in [
-        (torch.bfloat16, 32, 2, 128, 64, 128, 16, True),  # M3's group of 16
+        (torch.bfloat16, 32, 2, 128, 64, 128, 16, True),  # M3's group of 16 (TMA kernel on sm_90)
+        (torch.float16, 16, 2, 64, 128, 64, 8, False),  # G = 8, page > block (TMA kernel on sm_90)
         (torch.bfloat16, 8, 8, 64, 16, 16, 4, True),  # MHA, blocks spanning one page
         (torch.float16, 12, 4, 64, 16, 64, 6, False),  # G = 3 (padded), blocks over several pages
         (torch.float32, 8, 2, 32, 32, 32, 5, True),
@@ -285,6 +286,12 @@ def case_kvouter(torch, m3, g):
                     return_lse=True)
     ok = bool((got[0] == 0).all()) and bool(torch.isneginf(got[1]).all())
     results.append(("all slots -1", 0.0 if ok else float("inf"), ok))
+    # The same with G = 16, D = 64 (the TMA kernel on sm_90: no tile, only the cleared tail).
+    batch, q, k, v = _kv_problem(torch, g, [(40, 5), (7, 2)], 16, torch.bfloat16, 32, 2, 64)
+    got = with_impl("triton", m3.kvouter_attention, q, k, v, empty, batch.block_tables, **batch.kw(), block_size=16,
+                    return_lse=True)
+    ok = bool((got[0] == 0).all()) and bool(torch.isneginf(got[1]).all())
+    results.append(("all slots -1, G16", 0.0 if ok else float("inf"), ok))
     return results
 
 

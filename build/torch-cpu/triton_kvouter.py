@@ -53,6 +53,7 @@ TILE_ROWS = 128
 # a time: the slices stay contiguous and balanced, the hardware starts the next program as
 # one ends.
 ATTN_CONFIG = {
+    "engine": "auto",
     "tile_rows": 64,
     "num_warps": 4,
     "num_stages": 1,
@@ -60,6 +61,10 @@ ATTN_CONFIG = {
     "maxnreg": None,
     "loop": "resident",
 }
+# Kernels of the stage: "tma" (gluon_kvouter: TMA query ring and stores, sm_90 only), "triton"
+# (this module's kernel, any GPU and the interpreter); "auto" takes "tma" where it applies
+# (gluon_kvouter.unsupported_reason) and no tl launch setting was asked for.
+ENGINES = ("auto", "tma", "triton")
 # How a program walks its slice of tiles: "staged" (metadata from the induction variable,
 # left to the software pipeliner), "prefetch" (metadata run two tiles ahead by hand) or
 # "resident" (one K/V load per run of a segment's tiles, query tiles streamed past it).
@@ -399,9 +404,14 @@ def kvouter_partials_triton(
     loop: str | None = None,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    engine: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (partial_o [E, G, D] in ``out_dtype`` (default q's), partial_m [E, G] fp32,
     partial_l [E, G] fp32). ``scales``: fp32 [3] (q, k, v) for fp8 inputs (``_validate.check_quant``).
+
+    ``engine`` (default ``ATTN_CONFIG["engine"]``): see ENGINES. ``"tma"`` on a call the TMA
+    kernel cannot run raises a ValueError that says why; ``num_warps`` / ``num_stages`` /
+    ``maxnreg`` / ``loop`` are settings of the ``"triton"`` kernel and make ``"auto"`` pick it.
 
     ``sched`` must come from ``schedule(index, tile_q=..., num_programs=...)``; its
     ``tile_q`` may be anything up to ``2 * TILE_ROWS // GP`` (smaller tiles are padded).
@@ -422,6 +432,25 @@ def kvouter_partials_triton(
     tq = next_pow2(max(sched.tile_q, -(-16 // gp)))
     if tq * gp > 2 * TILE_ROWS:
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
+    engine = ATTN_CONFIG["engine"] if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {ENGINES}, got {engine!r}")
+    if engine != "triton":
+        from . import gluon_kvouter
+
+        tl_settings = (num_warps, num_stages, maxnreg, loop) != (None, None, None, None)
+        why = "num_warps / num_stages / maxnreg / loop set the 'triton' kernel" if tl_settings else None
+        why = why or gluon_kvouter.unsupported_reason(
+            q, k_cache, v_cache, block_size, out_dtype, scales, sched.tile_q, cap * group
+        )
+        if why is None:
+            return gluon_kvouter.kvouter_partials_tma(
+                q, k_cache, v_cache, index, sched, block_tables, cu_seqlens_q=cu_seqlens_q,
+                used_kv_lens=used_kv_lens, softmax_scale=softmax_scale, causal=causal, block_size=block_size,
+                scales=scales, out_dtype=out_dtype,
+            )
+        if engine == "tma":
+            raise ValueError(f"engine='tma': {why}")
     q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
     partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
     partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)

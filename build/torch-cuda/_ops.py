@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_d5d4b9acdc"
+NAMESPACE = "_m3_sparse_cuda_adbf22ab98"
 
 ops = getattr(torch.ops, NAMESPACE)
 

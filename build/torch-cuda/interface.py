@@ -203,10 +203,35 @@ def _kvouter_torch(
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer
-# (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks, KV-outer with its resident K/V
-# loop; docs/PERF.md, decode crossover): at 256 rows a 128K sequence takes 0.87x KV-outer's
-# time, 8 of them 1.00x, 32 of them 1.09x; at 1024 rows decode takes 1.45-1.66x.
-DECODE_MAX_QUERIES = 256
+# (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks; docs/PERF.md, decode crossover).
+# With the TMA partials kernel (sm_90): at 64 rows decode takes 0.60-0.94x KV-outer's time,
+# at 96 rows 0.70-0.73x for one sequence and 1.03-1.05x for 8 or 32, at 128 rows 1.03-1.17x,
+# at 256 rows 1.17-1.53x.
+DECODE_MAX_QUERIES = 96
+# Where KV-outer runs the tl partials kernel (other GPUs, shapes the TMA kernel does not
+# take): at 256 rows decode took 0.87-1.09x its time, at 1024 rows 1.45-1.66x.
+DECODE_MAX_QUERIES_TL = 256
+
+
+def decode_max_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+                       out_dtype: torch.dtype | None = None) -> int:
+    """The row bound of ``sparse_attention`` for these inputs (host-side: shapes, dtypes and
+    the device's capability): the KV-outer partials kernel that would run decides it."""
+    from . import gluon_kvouter, triton_kvouter
+
+    fp8 = torch.float8_e4m3fn
+    quantized = fp8 in (q.dtype, k_cache.dtype)
+    if out_dtype is None and q.dtype == fp8:
+        out_dtype = torch.bfloat16
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4 or not k_cache.shape[1]:
+        return DECODE_MAX_QUERIES_TL  # the op that runs names what is wrong with them
+    if triton_kvouter.ATTN_CONFIG["engine"] == "triton":
+        return DECODE_MAX_QUERIES_TL
+    group = q.shape[1] // k_cache.shape[1]
+    why = gluon_kvouter.unsupported_reason(
+        q, k_cache, v_cache, block_size, out_dtype, True if quantized else None, triton_kvouter.default_tile_q(group), 0
+    )
+    return DECODE_MAX_QUERIES if why is None else DECODE_MAX_QUERIES_TL
 
 
 def sparse_attention(
@@ -252,7 +277,7 @@ def sparse_attention(
         v_scale=v_scale,
         out_dtype=out_dtype,
     )
-    if rows <= DECODE_MAX_QUERIES:
+    if rows <= decode_max_queries(q, k_cache, v_cache, block_size, out_dtype):
         from .decode_attention import sparse_decode_attention
 
         return sparse_decode_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)

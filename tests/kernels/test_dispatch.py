@@ -51,7 +51,7 @@ def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
 
 
 def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
-    """Query-outer decode up to DECODE_MAX_QUERIES rows per sequence, KV-outer beyond;
+    """Query-outer decode up to decode_max_queries() rows per sequence, KV-outer beyond;
     the bound comes from the host (max_seqlen_q, else the token count), both agree."""
     from m3_sparse import decode_attention, interface
 
@@ -65,7 +65,8 @@ def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw))
     args = (q, k, v, sel, batch.block_tables)
-    limit = interface.DECODE_MAX_QUERIES
+    limit = interface.decode_max_queries(q, k, v, 16)
+    assert limit == interface.DECODE_MAX_QUERIES_TL  # G = 2: KV-outer runs the tl kernel
     a, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16)
     b, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit)
     c, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit + 1)
@@ -74,3 +75,25 @@ def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
     )
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_decode_row_bound_follows_the_kvouter_kernel(monkeypatch):
+    """96 rows where KV-outer runs the TMA partials kernel (sm_90, its shapes), 256 where it
+    runs the tl kernel: each bound was measured against its own KV-outer."""
+    from m3_sparse import gluon_kvouter, interface, triton_kvouter
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.empty(3, 64, 128, dtype=torch.bfloat16, device=dev)
+    k = torch.empty(2, 4, 128, 128, dtype=torch.bfloat16, device=dev)
+    tma = gluon_kvouter.unsupported_reason(q, k, k, 128, None, None, 4, 0) is None
+    assert tma == (dev == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_kvouter.HAVE_GLUON
+                   and gluon_kvouter.triton_version().startswith(gluon_kvouter.TESTED_TRITON))
+    want = interface.DECODE_MAX_QUERIES if tma else interface.DECODE_MAX_QUERIES_TL
+    assert interface.decode_max_queries(q, k, k, 128) == want
+    q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+    assert interface.decode_max_queries(q8, k8, k8, 128) == want  # bf16 partials by default
+    assert interface.decode_max_queries(q, k8, k8, 128) == interface.DECODE_MAX_QUERIES_TL  # mixed: tl kernel
+    assert interface.decode_max_queries(q[:, :16], k, k, 128) == interface.DECODE_MAX_QUERIES_TL  # G = 4
+    assert interface.decode_max_queries(q[0], k, k, 128) == interface.DECODE_MAX_QUERIES_TL  # the op will refuse it
+    monkeypatch.setitem(triton_kvouter.ATTN_CONFIG, "engine", "triton")
+    assert interface.decode_max_queries(q, k, k, 128) == interface.DECODE_MAX_QUERIES_TL

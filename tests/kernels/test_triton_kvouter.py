@@ -9,6 +9,7 @@ partial buffer past 2^31 elements).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def _device_batch(batch):
     }
 
 
-def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, loop=None):
+def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, loop=None, engine=None):
     q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     kw = _device_batch(batch)
     max_blocks = -(-batch.capacity // block_size)
@@ -75,7 +76,7 @@ def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_pr
     with poisoned_allocations():
         got = tkv.kvouter_partials_triton(
             q, k, v, index, sched, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size,
-            loop=loop,
+            loop=loop, engine=engine,
         )
     ref = m3_sparse.kvouter_partials(q, k, v, index, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size)
     return index, got, ref
@@ -351,6 +352,218 @@ def test_rejects_unsupported_block_size():
     qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     with pytest.raises(ValueError, match="block_size"):
         tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=48)
+
+
+# --------------------------------------------------------------------------- TMA engine (sm_90)
+
+gkv = kernel_module("m3_sparse.gluon_kvouter")
+
+
+def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_dtype=None, tile_q=4, pages=2, **kw):
+    q = torch.empty(3, hq, d, dtype=dtype)
+    if kw.get("strided"):
+        q = torch.empty(3, hq, 2 * d, dtype=dtype)[..., :d]
+    k = torch.empty(pages, hkv, page, d, dtype=kv_dtype or dtype)
+    return gkv.unsupported_reason(q, k, k, block, kw.get("out_dtype"), kw.get("scales"), tile_q, kw.get("rows", 10))
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(dtype=torch.float32), "all bf16, all fp16 or all float8_e4m3fn"),
+        (dict(kv_dtype=torch.float8_e4m3fn), "got torch.bfloat16 / torch.float8_e4m3fn"),
+        (dict(out_dtype=torch.float32), "q's dtype"),
+        (dict(dtype=torch.float8_e4m3fn), "fp8 inputs need their scales"),
+        (dict(dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), "fp8 inputs need their scales"),
+        (dict(scales=1), "no fp8 scales"),
+        (dict(dtype=torch.float8_e4m3fn, scales=1, out_dtype=torch.float8_e4m3fn), "bf16 or fp16 partials"),
+        (dict(hq=16), "GQA group in \\[8, 64\\], got 4"),
+        (dict(hq=48, hkv=4), "got 12"),
+        (dict(tile_q=8), "at most 4 tokens"),
+        (dict(d=96), "head dim"),
+        (dict(page=8), "page 8"),
+        (dict(block=256), "block 256"),
+        (dict(block=32, page=32), "block 32"),
+        (dict(pages=0), "empty page pool"),
+        (dict(strided=True), "contiguous"),
+        (dict(rows=2**31), "2\\^31 rows"),
+    ],
+)
+def test_tma_engine_says_why_it_does_not_apply(kw, match):
+    why = _reason(**kw)
+    assert why is not None and __import__("re").search(match, why), why
+
+
+def test_tma_engine_errors_name_the_reason():
+    g = gen(11)
+    batch = make_batch(g, [(40, 5)], 16)
+    q = randn(g, 5, 8, 16)
+    k, v = batch.kv_cache(g, 1, 16), batch.kv_cache(g, 1, 16)
+    sel = random_selection(g, batch, 1, 2, 16)
+    with pytest.raises(ValueError, match="engine='tma': needs q, K and V all bf16"):
+        _run_partials(batch, q, k, v, sel, 16, True, 0.3, 4, 2, engine="tma")
+    with pytest.raises(ValueError, match="engine: one of"):
+        _run_partials(batch, q, k, v, sel, 16, True, 0.3, 4, 2, engine="cuda")
+    with pytest.raises(ValueError, match="engine='tma': num_warps / num_stages / maxnreg / loop"):
+        _run_partials(batch, q.bfloat16(), k.bfloat16(), v.bfloat16(), sel, 16, True, 0.3, 4, 2, loop="resident", engine="tma")
+    if not HAS_CUDA:
+        batch = make_batch(g, [(140, 5)], 16)
+        q, k, v = randn(g, 5, 8, 64, dtype=torch.bfloat16), batch.kv_cache(g, 1, 64, torch.bfloat16), batch.kv_cache(g, 1, 64, torch.bfloat16)
+        sel = random_selection(g, batch, 1, 2, 64)
+        with pytest.raises(ValueError, match="engine='tma': (needs a CUDA device|written for Triton)"):
+            _run_partials(batch, q, k, v, sel, 64, True, 0.3, 8, 2, engine="tma")
+
+
+def _m3_shape_reason():
+    q = torch.empty(3, 64, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.empty(2, 4, 128, 128, dtype=torch.bfloat16, device=DEVICE)
+    return gkv.unsupported_reason(q, k, k, 128, None, None, 4, 10)
+
+
+# sm_90 with the Triton the kernel is written for; anywhere else these tests skip (the tl
+# kernel's tests above still run).
+TMA_OK = HAS_CUDA and _m3_shape_reason() is None
+if HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and gkv.triton_version().startswith(gkv.TESTED_TRITON):
+
+    def test_tma_kernel_applies_on_this_hopper_gpu():
+        assert _m3_shape_reason() is None
+
+
+if TMA_OK:
+
+    def test_auto_engine_runs_the_tma_kernel(monkeypatch):
+        """engine=None (ATTN_CONFIG "auto") on the M3 shape launches the TMA kernel; on G = 4
+        the tl kernel, both right against the torch stage."""
+        assert tkv.ATTN_CONFIG["engine"] == "auto"
+        calls = []
+        real = gkv.kvouter_partials_tma
+        monkeypatch.setattr(gkv, "kvouter_partials_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        for hq, want in ((64, 1), (16, 0)):
+            g = gen(hq)
+            batch = make_batch(g, [(700, 300), (90, 90)], 128)
+            q = randn(g, batch.num_tokens, hq, 128, dtype=torch.bfloat16)
+            k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+            sel = random_selection(g, batch, 4, 16, 128)
+            calls.clear()
+            index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, tkv.default_tile_q(hq // 4), 132)
+            assert len(calls) == want
+            _check_partials(index, got, ref, torch.bfloat16)
+
+    def test_partials_tma_int64_metadata():
+        """int64 block tables, lengths and offsets (the public ops accept them)."""
+        g = gen(64)
+        batch = make_batch(g, [(1000, 300), (300, 400), (77, 77)], 64)
+        q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+        k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+        sel = random_selection(g, batch, 4, 16, 128, causal=False)
+        batch.block_tables = batch.block_tables.long()
+        batch.cu_seqlens_q = batch.cu_seqlens_q.long()
+        batch.used_kv_lens = batch.used_kv_lens.long()
+        index, got, ref = _run_partials(batch, q, k, v, sel, 128, False, 0.088, 4, 132, engine="tma")
+        _check_partials(index, got, ref, torch.bfloat16)
+
+    TMA_CASES = [
+        # hq, hkv, d, page, block, dtype, causal, tile_q (None: the most), num_programs
+        (64, 4, 128, 128, 128, torch.bfloat16, True, None, 132),
+        (64, 4, 128, 64, 128, torch.bfloat16, True, None, 528),
+        (64, 4, 128, 128, 64, torch.bfloat16, False, None, 7),
+        (32, 4, 128, 64, 64, torch.float16, True, None, 1),
+        (16, 2, 128, 128, 128, torch.bfloat16, True, 3, 50),
+        (64, 2, 64, 32, 128, torch.float16, False, None, 132),
+        (64, 1, 128, 16, 64, torch.bfloat16, True, None, 33),
+        (64, 4, 128, 128, 128, torch.bfloat16, True, 1, 132),
+    ]
+
+    @pytest.mark.parametrize("hq,hkv,d,page_size,block_size,dtype,causal,tile_q,num_programs", TMA_CASES)
+    @pytest.mark.parametrize("garbage", [1.0e3, float("nan")])
+    def test_partials_tma_match_torch_cuda(hq, hkv, d, page_size, block_size, dtype, causal, tile_q, num_programs, garbage):
+        """Ragged sequences (shorter than a block, partial last blocks), -1 slots and
+        duplicates, poisoned outputs; NaN in unwritten cache slots must not leak through
+        the zero-weight keys of a partial block."""
+        g = gen(hq + d + page_size + block_size)
+        # (300, 400): 100 rows before the sequence's first key, over full blocks (non-causal too).
+        seqs = [(1000, 300), (77, 77), (block_size + 1, 1), (640, 128), (block_size // 2, 9), (300, 400)]
+        batch = make_batch(g, seqs, page_size)
+        q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
+        k = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+        v = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+        sel = random_selection(g, batch, hkv, 16, block_size, causal=causal)
+        tile_q = tile_q or 64 // (hq // hkv)
+        index, got, ref = _run_partials(
+            batch, q, k, v, sel, block_size, causal, d**-0.5, tile_q, num_programs, engine="tma"
+        )
+        assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
+        _check_partials(index, got, ref, dtype)
+
+    @pytest.mark.parametrize("d,page_size,block_size,out_dtype", [(128, 128, 128, torch.bfloat16), (64, 64, 128, torch.float16)])
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_partials_tma_fp8_match_torch_cuda(d, page_size, block_size, out_dtype, causal):
+        """e4m3 q/K/V with per-tensor scales: the fp8 MMA for Q K^T, V widened in shared memory,
+        P @ V and the partials in ``out_dtype``; the torch stage does the same roundings."""
+        fp8 = torch.float8_e4m3fn
+        g = gen(d + page_size + int(causal))
+        seqs = [(900, 260), (block_size + 1, 1), (block_size // 2, 9)]
+        batch = make_batch(g, seqs, page_size)
+        q = randn(g, batch.num_tokens, 64, d)
+        k = batch.kv_cache(g, 4, d, garbage=float("nan"))
+        v = batch.kv_cache(g, 4, d, garbage=float("nan"))
+        sel = random_selection(g, batch, 4, 16, block_size, causal=causal)
+        scales = torch.tensor([0.011, 0.009, 0.013], device=DEVICE)
+        q8, k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((q, k, v), scales.tolist()))
+        q8, k8, v8, sel, bt = _to(DEVICE, q8, k8, v8, sel, batch.block_tables)
+        kw = _device_batch(batch)
+        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * page_size // block_size)
+        sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
+        args = (q8, k8, v8, index)
+        common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype)
+        with poisoned_allocations():
+            got = tkv.kvouter_partials_triton(*args, sched, bt, **common, engine="tma")
+        ref = m3_sparse.kvouter_partials(*args, bt, **common)
+        same_mma = tkv.kvouter_partials_triton(*args, sched, bt, **common, engine="triton")
+        po, pm, pl = got
+        used = int(index.seg_offsets[-1])
+        for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
+            assert not is_poisoned(x).any(), name
+        assert po.dtype == out_dtype
+        assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
+        # Hopper's fp8 MMA adds into an accumulator narrower than fp32: against exact scores the
+        # row maxima (scores of ~2, sums of 128 products of ~1e4) are off by ~1.2e-4 relative RMS
+        # at D = 128; a scale or mask error is off by 1e-2 or more. The tl kernel runs the
+        # same MMA, so against it the bound is fp32 reordering.
+        assert_close("partial_m", ref[1][:used], pm[:used], 5e-4)
+        assert_close("partial_l", ref[2][:used], pl[:used], 2e-3)
+        assert_close("partial_o", ref[0][:used], po[:used], 2 * TOLERANCES[out_dtype])
+        assert_close("partial_m vs tl kernel", same_mma[1][:used], pm[:used], 1e-6)
+        assert_close("partial_l vs tl kernel", same_mma[2][:used], pl[:used], 1e-5)
+        assert_close("partial_o vs tl kernel", same_mma[0][:used], po[:used], TOLERANCES[out_dtype])
+        assert torch.all(po[used:] == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
+
+    def test_partials_tma_equal_the_triton_kernel_in_a_cuda_graph():
+        g = gen(99)
+        batch = make_batch(g, [(3000, 700), (200, 200)], 128)
+        q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+        k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+        sel = random_selection(g, batch, 4, 16, 128)
+        q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+        kw = _device_batch(batch)
+        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * 128 // 128)
+        sched = m3_sparse.schedule(index, tile_q=4, num_programs=264)
+        run = lambda eng: tkv.kvouter_partials_triton(  # noqa: E731
+            q, k, v, index, sched, bt, **kw, softmax_scale=0.088, block_size=128, engine=eng
+        )
+        want = run("triton")
+        run("tma")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = run("tma")
+        for x in got:
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        used = int(index.seg_offsets[-1])
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert_close("partial_o", want[0][:used], got[0][:used], TOLERANCES[torch.bfloat16])
+        assert torch.all(got[0][used:] == 0)
 
 
 # --------------------------------------------------------------------------- CUDA, full size

@@ -1,0 +1,383 @@
+"""KV-outer partials on Hopper (sm_90) with TMA copies, written in Gluon.
+
+Same contract and schedule as :func:`triton_kvouter.kvouter_partials_triton` (whose
+``tl`` kernel stays the path off sm_90 and under the interpreter; the torch
+``kvouter_attention.kvouter_partials`` is the oracle of both).
+
+Why a second kernel: the ``tl`` kernel gathers each tile's queries with per-thread
+loads and stores its partials from registers, so every tile is a serial chain of
+address math, a load round trip, two MMAs and stores, and two programs per SM are
+all that hides it (docs/PERF.md, "What limited the per-tile kernel"). Here:
+
+* a query tile is TQ boxes of ``[G, D]`` (one token's G heads of one KV head are
+  contiguous rows of ``q`` viewed as ``[T * Hq, D]``), copied by TMA into a
+  two-slot shared-memory ring one tile ahead, so the next tile's gather is in
+  flight while the current one computes;
+* the tile metadata (segment, entry range, tokens) is loaded two tiles ahead, so the
+  copy of the next tile never waits on a dependent global load;
+* the K/V block stays in shared memory for a run of the segment's tiles (one TMA
+  box per page it spans);
+* the tile's partial rows ``e * G + h`` are consecutive, so a full tile leaves in one
+  TMA store of ``[TQ * G, D]`` rows and a short one in one ``[G, D]`` store per entry.
+
+fp8 (e4m3) q, K and V (with their dequantization scales, bf16 or fp16 partials): Q K^T is an
+fp8 MMA on the stored values, the scales fold into the softmax scale and the output; V is
+widened to the partials' dtype in shared memory once per run, so P @ V keeps P's precision.
+
+Supported (``unsupported_reason`` says why a call does not qualify): Triton 3.6 (the Gluon
+API this kernel is written and tested against), sm_90 CUDA; bf16 / fp16 q, K, V and partials,
+or e4m3 q, K, V with bf16 / fp16 partials; G a power of two in [8, 64] (one tile = 64 rows =
+64 / G tokens), D 64 or 128, blocks of 64 or 128 keys, pages of at least 16; q and the
+caches ``[pages, Hkv, page, D]`` contiguous; metadata int32 or int64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this kernel needs.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _sync_threads = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    HAVE_GLUON = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+from ._launch import interpreting
+from .kvouter_index import KVOuterIndex
+from .scheduler import Schedule
+
+LOG2E = 1.4426950408889634
+TILE_ROWS = 64
+FILL_ROWS = 64
+NUM_WARPS = 4
+# Gluon changes between Triton releases; other versions keep the tl kernel rather than
+# fail to compile on every call.
+TESTED_TRITON = ("3.6.",)
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows) -> str | None:
+    """None when the TMA kernel runs this call, else why not (``engine="auto"`` keeps the
+    ``tl`` kernel then). Shape and dtype checks come before the device ones."""
+    fp8 = torch.float8_e4m3fn
+    if q.dtype not in (torch.bfloat16, torch.float16, fp8) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"needs q, K and V all bf16, all fp16 or all float8_e4m3fn, got {q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    if q.dtype == fp8:
+        if scales is None or out_dtype not in (torch.bfloat16, torch.float16):
+            return "fp8 inputs need their scales and bf16 or fp16 partials"
+    elif scales is not None or (out_dtype is not None and out_dtype != q.dtype):
+        return "partials in q's dtype, no fp8 scales"
+    hq, d = q.shape[1], q.shape[2]
+    hkv, page = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if group < 8 or group > TILE_ROWS or group & (group - 1):
+        return f"needs a power-of-two GQA group in [8, {TILE_ROWS}], got {group}"
+    if tile_q > TILE_ROWS // group:
+        return f"tiles of at most {TILE_ROWS // group} tokens for G = {group}, got tile_q = {tile_q}"
+    if d not in (64, 128):
+        return f"head dim 64 or 128, got {d}"
+    if block_size not in (64, 128) or page & (page - 1) or page < 16:
+        return f"blocks of 64 or 128 keys and power-of-two pages of at least 16, got block {block_size}, page {page}"
+    if k_cache.shape[0] == 0:
+        return "an empty page pool"
+    # TMA coordinates are 32-bit rows.
+    if max(partial_rows, q.shape[0] * hq, k_cache.shape[0] * hkv * page) >= 2**31:
+        return "more than 2^31 rows in q, the caches or the partials"
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "contiguous q and caches"
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not triton_version().startswith(TESTED_TRITON):
+        return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
+    if interpreting() or q.device.type != "cuda" or torch.version.hip is not None:
+        return "needs a CUDA device (not the interpreter, not ROCm)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs sm_90 (wgmma and TMA as compiled here)"
+    if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
+        return "16-byte aligned q and caches"
+    return None
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, tile, t_hi, offs_t):
+        """(segment, first entry, end entry, tokens [TQ]) of a tile; an empty range past the slice."""
+        live = tile < t_hi
+        seg = gl.load(tile_seg_ptr + tile, mask=live, other=0).to(gl.int32)
+        e0 = gl.load(tile_start_ptr + tile, mask=live, other=0).to(gl.int32)
+        e1 = gl.load(tile_end_ptr + tile, mask=live, other=0).to(gl.int32)
+        toks = gl.load(entry_token_ptr + e0 + offs_t, mask=e0 + offs_t < e1, other=0).to(gl.int32)
+        return seg, e0, e1, toks
+
+    @gluon.jit
+    def _issue_q(q_desc, q_slot, bar, seg, toks, offs_t, live, nbg, hq,
+                 G: gl.constexpr, TQ: gl.constexpr, D: gl.constexpr):
+        """TMA copies of a tile's TQ query boxes [G, D] into one ring slot. Rows of absent
+        entries copy token 0's queries (finite, never stored), so the byte count is fixed."""
+        g = seg // nbg
+        mbarrier.expect(bar, TQ * G * D * q_desc.dtype.primitive_bitwidth // 8, pred=live)
+        for i in gl.static_range(TQ):
+            tok = gl.sum(gl.where(offs_t == i, toks, 0), axis=0)
+            tma.async_copy_global_to_shared(q_desc, [tok * hq + g * G, 0], bar, q_slot.slice(i * G, G), pred=live)
+
+    @gluon.jit
+    def _stage_v(v_in, v_smem, blk, kv_len, BS: gl.constexpr, D: gl.constexpr, ot: gl.constexpr, layout: gl.constexpr):
+        """V block as P @ V takes it: rows past the sequence zeroed, in the partials' dtype."""
+        b_v = v_in.load(layout)  # [BS, D]
+        v_rows = blk * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, layout))
+        b_v = gl.where((v_rows < kv_len)[:, None], b_v.to(ot), gl.zeros([BS, D], ot, layout))
+        v_smem.store(b_v)
+        fence_async_shared()
+        _sync_threads()
+
+    @gluon.jit
+    def _kvouter_partials_tma_kernel(
+        q_desc, k_desc, v_desc, o_desc, o1_desc,
+        po_ptr, pm_ptr, pl_ptr,
+        bt_ptr, cu_ptr, kvlen_ptr, entry_token_ptr, seg_offsets_ptr,
+        tile_seg_ptr, tile_start_ptr, tile_end_ptr, prog_tiles_ptr,
+        stride_bt, num_segments, nbg, max_blocks, capacity_rows, num_programs, hq, hkv,
+        qk_scale, scale_ptr,
+        G: gl.constexpr, TQ: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, PS: gl.constexpr,
+        PB: gl.constexpr, CAUSAL: gl.constexpr, FILL: gl.constexpr, FP8: gl.constexpr,
+    ):
+        BM: gl.constexpr = TQ * G
+        dt: gl.constexpr = q_desc.dtype  # q, K, V as stored
+        ot: gl.constexpr = o_desc.dtype  # partials, and P @ V
+        pid = gl.program_id(0)
+        v_scale = 1.0
+        if FP8:
+            qk_scale = qk_scale * gl.load(scale_ptr) * gl.load(scale_ptr + 1)
+            v_scale = gl.load(scale_ptr + 2)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 256 // dt.primitive_bitwidth]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        v_reg_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+        # Shared memory: K and V blocks [BS, D], a two-slot query ring [2, BM, D], the output
+        # staging tile [BM, D]: 112 KB at BS = D = 128 in bf16 (96 KB in fp8, with V's
+        # copy as stored), so two programs fit on an SM.
+        q_smem = gl.allocate_shared_memory(dt, [2, BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dt, [BS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(ot, [BS, D], o_desc.layout)
+        if FP8:
+            v_in = gl.allocate_shared_memory(dt, [BS, D], v_desc.layout)
+        else:
+            v_in = v_smem
+        o_smem = gl.allocate_shared_memory(ot, [BM, D], o_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bars.index(0), count=1)
+        mbarrier.init(q_bars.index(1), count=1)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        offs_t = gl.arange(0, TQ, layout=vec_layout)
+        offs_r = gl.arange(0, BM, layout=row_layout)
+        offs_n = gl.arange(0, BS, layout=col_layout)
+        r_tok = offs_r // G
+
+        t_lo = gl.load(prog_tiles_ptr + pid)
+        t_hi = gl.load(prog_tiles_ptr + pid + 1)
+
+        # Tile t's queries were copied one iteration earlier; the metadata runs two ahead.
+        a_seg, a_e0, a_e1, a_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t_lo, t_hi, offs_t)
+        b_seg, b_e0, b_e1, b_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t_lo + 1, t_hi, offs_t)
+        _issue_q(q_desc, q_smem.index(0), q_bars.index(0), a_seg, a_toks, offs_t, t_lo < t_hi, nbg, hq, G, TQ, D)
+
+        cur_seg = -1
+        kv_phase = 0
+        blk = 0
+        kv_len = 0
+        pos_base = 0
+        for t in range(t_lo, t_hi):
+            j = t - t_lo
+            # The other slot was read by tile t - 1's MMA, which every warp has waited for.
+            _sync_threads()
+            _issue_q(q_desc, q_smem.index((j + 1) % 2), q_bars.index((j + 1) % 2), b_seg, b_toks, offs_t,
+                     t + 1 < t_hi, nbg, hq, G, TQ, D)
+            c_seg, c_e0, c_e1, c_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t + 2, t_hi, offs_t)
+
+            g = a_seg // nbg
+            if a_seg != cur_seg:
+                # A new run: its K/V block, one box per page it spans (absent pages read page 0,
+                # their keys are masked and their values zeroed below).
+                gb = a_seg % nbg
+                seq = gb // max_blocks
+                blk = gb - seq * max_blocks
+                # Lengths and pages may be int64 tensors; TMA coordinates are 32-bit (the
+                # launcher bounds every row index below 2^31).
+                kv_len = gl.load(kvlen_ptr + seq).to(gl.int32)
+                pos_base = kv_len - gl.load(cu_ptr + seq + 1).to(gl.int32)
+                mbarrier.expect(kv_bar, 2 * BS * D * dt.primitive_bitwidth // 8)
+                for p in gl.static_range(BS // PB):
+                    k_pos = blk * BS + p * PB
+                    page = gl.load(bt_ptr + seq.to(gl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(gl.int32)
+                    page = gl.where(page < 0, 0, page)
+                    row = (page * hkv + g) * PS + k_pos % PS
+                    tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.slice(p * PB, PB))
+                    tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_in.slice(p * PB, PB))
+                mbarrier.wait(kv_bar, kv_phase)
+                kv_phase ^= 1
+                # Keys past the sequence are masked, but 0 * (stale V) must not be NaN; fp8 V
+                # is widened once per run (e4m3 -> bf16 / fp16 is exact).
+                if FP8:
+                    _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                elif blk * BS + BS > kv_len:
+                    _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                cur_seg = a_seg
+
+            slot = j % 2
+            mbarrier.wait(q_bars.index(slot), (j // 2) & 1)
+            q_tile = q_smem.index(slot)
+            b_s = warpgroup_mma(q_tile, k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout), use_acc=False)
+            b_s = b_s * qk_scale  # [BM, BS], log2 units
+
+            n_ent = a_e1 - a_e0
+            row_ok = r_tok < n_ent
+            # Only a block reaching past the earliest row's last visible key needs the mask; a
+            # row before the sequence's first key (negative position) sees none, causal or not.
+            tok_first = gl.min(gl.where(offs_t < n_ent, a_toks, 2147483647), axis=0)
+            lim_first = kv_len - 1
+            if CAUSAL:
+                lim_first = gl.minimum(pos_base + tok_first, kv_len - 1)
+            lim_first = gl.where(pos_base + tok_first >= 0, lim_first, -1)
+            if blk * BS + BS - 1 > lim_first:
+                tok_r = gl.load(entry_token_ptr + a_e0 + r_tok, mask=row_ok, other=0).to(gl.int32)  # [BM]
+                row_pos = pos_base + tok_r
+                if CAUSAL:
+                    lim = gl.minimum(row_pos, kv_len - 1)
+                else:
+                    lim = gl.zeros_like(row_pos) + (kv_len - 1)
+                lim = gl.where(row_ok & (row_pos >= 0), lim, -1)
+                k_pos = blk * BS + offs_n
+                b_s = gl.where(k_pos[None, :] <= lim[:, None], b_s, float("-inf"))
+            b_m = gl.max(b_s, axis=1)  # [BM]
+            m_safe = gl.where(b_m == float("-inf"), 0.0, b_m)
+            b_p = gl.exp2(b_s - m_safe[:, None])  # [BM, BS]
+            b_l = gl.sum(b_p, axis=1)  # [BM]
+            p_op = gl.convert_layout(b_p.to(ot), p_layout)
+            b_o = warpgroup_mma(p_op, v_smem, gl.zeros([BM, D], gl.float32, o_layout), use_acc=False)  # [BM, D]
+            if FP8:
+                b_o = b_o * v_scale
+
+            # Rows e * G + h of the tile's entries are rows a_e0 * G + r of the buffer.
+            o_row = a_e0.to(gl.int64) * G + offs_r
+            gl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
+            gl.store(pl_ptr + o_row, b_l, mask=row_ok)
+            tma.store_wait(0)
+            _sync_threads()
+            o_smem.store(b_o.to(ot))
+            fence_async_shared()
+            _sync_threads()
+            if n_ent == TQ:
+                tma.async_copy_shared_to_global(o_desc, [a_e0 * G, 0], o_smem)
+            else:
+                for i in gl.static_range(TQ):
+                    if i < n_ent:
+                        tma.async_copy_shared_to_global(o1_desc, [(a_e0 + i) * G, 0], o_smem.slice(i * G, G))
+
+            a_seg, a_e0, a_e1, a_toks = b_seg, b_e0, b_e1, b_toks
+            b_seg, b_e0, b_e1, b_toks = c_seg, c_e0, c_e1, c_toks
+        tma.store_wait(0)
+        mbarrier.invalidate(q_bars.index(0))
+        mbarrier.invalidate(q_bars.index(1))
+        mbarrier.invalidate(kv_bar)
+
+        # Unused entries (past seg_offsets[-1]) belong to no tile: cleared grid-strided.
+        used = gl.load(seg_offsets_ptr + num_segments).to(gl.int64)
+        row0 = used * G
+        n_rows = capacity_rows - row0
+        offs_f = gl.arange(0, FILL, layout=gl.SliceLayout(1, fill_layout))
+        offs_fd = gl.arange(0, D, layout=gl.SliceLayout(0, fill_layout))
+        offs_f1 = gl.arange(0, FILL, layout=vec_layout)
+        b_zero = gl.zeros([FILL, D], ot, fill_layout)
+        n_chunks = ((n_rows + FILL - 1) // FILL).to(gl.int32)
+        for c in range(pid, n_chunks, num_programs):
+            rows = row0 + c * FILL + offs_f
+            gl.store(po_ptr + rows[:, None] * D + offs_fd[None, :], b_zero, mask=(rows < capacity_rows)[:, None])
+            rows1 = row0 + c * FILL + offs_f1
+            ok1 = rows1 < capacity_rows
+            gl.store(pm_ptr + rows1, gl.full([FILL], float("-inf"), gl.float32, vec_layout), mask=ok1)
+            gl.store(pl_ptr + rows1, gl.zeros([FILL], gl.float32, vec_layout), mask=ok1)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(dtype: torch.dtype, d: int):
+    # The widest swizzle a row of D elements fills (64-byte rows: D = 64 in fp8).
+    bits = torch.finfo(dtype).bits
+    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, d * bits // 8), element_bitwidth=bits, rank=2)
+
+
+def kvouter_partials_tma(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index: KVOuterIndex,
+    sched: Schedule,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    block_size: int,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The partials of :func:`triton_kvouter.kvouter_partials_triton` on a call that
+    ``unsupported_reason`` accepts (the caller checked it); metadata already contiguous."""
+    num_tokens, hq, d = q.shape
+    num_pages, hkv, page_size, _ = k_cache.shape
+    group = hq // hkv
+    tq = TILE_ROWS // group
+    cap = index.capacity
+    out_dtype = out_dtype or q.dtype
+    fp8 = q.dtype == torch.float8_e4m3fn
+    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=q.device)
+    partial_m = torch.empty(cap, group, dtype=torch.float32, device=q.device)
+    partial_l = torch.empty(cap, group, dtype=torch.float32, device=q.device)
+    if cap == 0:
+        return partial_o, partial_m, partial_l
+    layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(out_dtype, d)
+    pb = min(block_size, page_size)
+    q2 = q.view(num_tokens * hq, d)
+    k2 = k_cache.view(num_pages * hkv * page_size, d)
+    v2 = v_cache.view(num_pages * hkv * page_size, d)
+    o2 = partial_o.view(cap * group, d)
+    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [group, d], layout)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [pb, d], layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [pb, d], layout)
+    o_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [tq * group, d], o_layout)
+    o1_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [group, d], o_layout)
+    _kvouter_partials_tma_kernel[(sched.num_programs,)](
+        q_desc, k_desc, v_desc, o_desc, o1_desc,
+        partial_o, partial_m, partial_l,
+        block_tables, cu_seqlens_q, used_kv_lens, index.entry_token, index.seg_offsets,
+        sched.tile_segment, sched.tile_start, sched.tile_end, sched.program_tiles,
+        block_tables.stride(0), index.num_segments, index.num_global_blocks, index.max_blocks,
+        cap * group, sched.num_programs, hq, hkv,
+        float(softmax_scale) * LOG2E, scales if fp8 else partial_m,
+        G=group, TQ=tq, D=d, BS=block_size, PS=page_size, PB=pb, CAUSAL=bool(causal), FILL=FILL_ROWS, FP8=fp8,
+        num_warps=NUM_WARPS,
+    )
+    return partial_o, partial_m, partial_l
+
