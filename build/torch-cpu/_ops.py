@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_adbf22ab98"
+NAMESPACE = "_m3_sparse_cpu_c891debcdc"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -124,8 +124,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_q(q_desc, q_slot, bar, seg, toks, offs_t, live, nbg, hq,
                  G: gl.constexpr, TQ: gl.constexpr, D: gl.constexpr):
-        """TMA copies of a tile's TQ query boxes [G, D] into one ring slot. Rows of absent
-        entries copy token 0's queries (finite, never stored), so the byte count is fixed."""
+        """TMA copies of a tile's TQ query boxes [G, D] into one ring slot. The boxes of absent
+        entries copy token 0's queries, whose rows are never stored, so that the byte count
+        the barrier expects is a constant."""
         g = seg // nbg
         mbarrier.expect(bar, TQ * G * D * q_desc.dtype.primitive_bitwidth // 8, pred=live)
         for i in gl.static_range(TQ):
