@@ -33,7 +33,6 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import m3_sparse  # noqa: E402
-from m3_sparse import gluon_kvouter as gkv  # noqa: E402
 from m3_sparse import triton_combine as tcomb  # noqa: E402
 from m3_sparse import triton_kvouter as tkv  # noqa: E402
 from m3_sparse import triton_kvouter_index as tidx  # noqa: E402
@@ -316,8 +315,7 @@ def run_config(name, pattern, n_seq, seq_len, args):
     err = sampled_check(p, out, lse)
     del out, lse
     # The kernel "attn" ran: the TMA kernel where it applies under the configured engine.
-    why = gkv.unsupported_reason(q, k, v, BLOCK, None, None, tile_q, index.capacity * group)
-    ran = "triton" if tkv.ATTN_CONFIG["engine"] == "triton" or why else "tma"
+    ran = "tma" if tkv.tma_reason(q, k, v, BLOCK, None, None, tile_q, index.capacity * group) is None else "triton"
     r = dict(name=name, pattern=pattern, n=n, err=err, eng_diff=eng_diff, engine=ran)
     r["t_build"] = bench(build)
     r["t_sched"] = bench(lambda: tsched.schedule_triton(index, tile_q=tile_q, num_programs=nprog))

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_c891debcdc"
+NAMESPACE = "_m3_sparse_cpu_11a62b4989"
 
 ops = getattr(torch.ops, NAMESPACE)
 

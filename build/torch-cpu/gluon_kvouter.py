@@ -67,6 +67,21 @@ def triton_version() -> str:
     return triton.__version__
 
 
+@functools.lru_cache(maxsize=None)
+def _platform_reason(device_index: int) -> str | None:
+    """The checks that depend only on the installation and the GPU (asked on every decode step,
+    so answered once per device)."""
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not triton_version().startswith(TESTED_TRITON):
+        return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
+    if torch.version.hip is not None:
+        return "needs CUDA, not ROCm"
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return "needs sm_90 (wgmma and TMA as compiled here)"
+    return None
+
+
 def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows) -> str | None:
     """None when the TMA kernel runs this call, else why not (``engine="auto"`` keeps the
     ``tl`` kernel then). Shape and dtype checks come before the device ones."""
@@ -96,14 +111,11 @@ def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_
         return "more than 2^31 rows in q, the caches or the partials"
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "contiguous q and caches"
-    if not HAVE_GLUON:
-        return "this Triton has no Gluon Hopper API"
-    if not triton_version().startswith(TESTED_TRITON):
-        return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
-    if interpreting() or q.device.type != "cuda" or torch.version.hip is not None:
-        return "needs a CUDA device (not the interpreter, not ROCm)"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "needs sm_90 (wgmma and TMA as compiled here)"
+    if interpreting() or q.device.type != "cuda":
+        return "needs a CUDA device (not the interpreter)"
+    why = _platform_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if why is not None:
+        return why
     if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
         return "16-byte aligned q and caches"
     return None

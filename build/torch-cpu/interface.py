@@ -217,20 +217,16 @@ def decode_max_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        out_dtype: torch.dtype | None = None) -> int:
     """The row bound of ``sparse_attention`` for these inputs (host-side: shapes, dtypes and
     the device's capability): the KV-outer partials kernel that would run decides it."""
-    from . import gluon_kvouter, triton_kvouter
+    from .triton_kvouter import default_tile_q, tma_reason
 
-    fp8 = torch.float8_e4m3fn
-    quantized = fp8 in (q.dtype, k_cache.dtype)
-    if out_dtype is None and q.dtype == fp8:
-        out_dtype = torch.bfloat16
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.ndim != 4 or not k_cache.shape[1]:
         return DECODE_MAX_QUERIES_TL  # the op that runs names what is wrong with them
-    if triton_kvouter.ATTN_CONFIG["engine"] == "triton":
-        return DECODE_MAX_QUERIES_TL
-    group = q.shape[1] // k_cache.shape[1]
-    why = gluon_kvouter.unsupported_reason(
-        q, k_cache, v_cache, block_size, out_dtype, True if quantized else None, triton_kvouter.default_tile_q(group), 0
-    )
+    fp8 = torch.float8_e4m3fn
+    if out_dtype is None and q.dtype == fp8:
+        out_dtype = torch.bfloat16  # check_quant's default
+    # fp8 inputs come with scales (check_quant makes them); only their presence matters here.
+    scales = True if fp8 in (q.dtype, k_cache.dtype) else None
+    why = tma_reason(q, k_cache, v_cache, block_size, out_dtype, scales, default_tile_q(q.shape[1] // k_cache.shape[1]), 0)
     return DECODE_MAX_QUERIES if why is None else DECODE_MAX_QUERIES_TL
 
 

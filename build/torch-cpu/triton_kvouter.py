@@ -385,6 +385,24 @@ def _kvouter_partials_kernel(
         tl.store(pl_ptr + rows, tl.zeros([FILL], tl.float32), mask=ok)
 
 
+def tma_reason(
+    q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows, engine=None, tl_settings=False
+) -> str | None:
+    """Why the partials of such a call would not run the TMA kernel under ``engine`` (default
+    ``ATTN_CONFIG["engine"]``), or None when they would: the one place that decides, for the
+    launcher and for ``interface.decode_max_queries``."""
+    engine = ATTN_CONFIG["engine"] if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {ENGINES}, got {engine!r}")
+    if engine == "triton":
+        return "engine='triton'"
+    if tl_settings:
+        return "num_warps / num_stages / maxnreg / loop set the 'triton' kernel"
+    from .gluon_kvouter import unsupported_reason
+
+    return unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows)
+
+
 def kvouter_partials_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -433,24 +451,18 @@ def kvouter_partials_triton(
     if tq * gp > 2 * TILE_ROWS:
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
     engine = ATTN_CONFIG["engine"] if engine is None else engine
-    if engine not in ENGINES:
-        raise ValueError(f"engine: one of {ENGINES}, got {engine!r}")
-    if engine != "triton":
-        from . import gluon_kvouter
+    tl_settings = (num_warps, num_stages, maxnreg, loop) != (None, None, None, None)
+    why = tma_reason(q, k_cache, v_cache, block_size, out_dtype, scales, sched.tile_q, cap * group, engine, tl_settings)
+    if why is None:
+        from .gluon_kvouter import kvouter_partials_tma
 
-        tl_settings = (num_warps, num_stages, maxnreg, loop) != (None, None, None, None)
-        why = "num_warps / num_stages / maxnreg / loop set the 'triton' kernel" if tl_settings else None
-        why = why or gluon_kvouter.unsupported_reason(
-            q, k_cache, v_cache, block_size, out_dtype, scales, sched.tile_q, cap * group
+        return kvouter_partials_tma(
+            q, k_cache, v_cache, index, sched, block_tables, cu_seqlens_q=cu_seqlens_q,
+            used_kv_lens=used_kv_lens, softmax_scale=softmax_scale, causal=causal, block_size=block_size,
+            scales=scales, out_dtype=out_dtype,
         )
-        if why is None:
-            return gluon_kvouter.kvouter_partials_tma(
-                q, k_cache, v_cache, index, sched, block_tables, cu_seqlens_q=cu_seqlens_q,
-                used_kv_lens=used_kv_lens, softmax_scale=softmax_scale, causal=causal, block_size=block_size,
-                scales=scales, out_dtype=out_dtype,
-            )
-        if engine == "tma":
-            raise ValueError(f"engine='tma': {why}")
+    if engine == "tma":
+        raise ValueError(f"engine='tma': {why}")
     q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
     partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
     partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
