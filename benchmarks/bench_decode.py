@@ -24,6 +24,11 @@ Sections:
   sequence of each context and batch variants; decode vs KV-outer, with the reuse
   ``(token, head) selections / distinct selected blocks`` and ``nsb / N``.
 
+"in-graph" times a call inside a graph of 20 calls, each after a 256 MB L2 flush, minus the
+flushes alone; the flush zeroes a buffer (the L2 is left full of dirty lines, which the call
+writes back while it reads) or, for the "clean L2" columns, sums it (clean lines: the call
+moves its own bytes only, as after the index kernel in a decode step).
+
 Every configuration is checked against an fp32 torch computation on sampled tokens before
 it is timed. Times: ``triton.testing.do_bench`` medians (L2 cleared before every run), in
 microseconds. The last thing printed is a markdown table, also written to
@@ -239,18 +244,34 @@ def bench_graph(fn, rep_ms: int = 100) -> float:
     return t
 
 
-def bench_graph_amortized(fn, calls: int = 20, reps: int = 15) -> float:
+def bench_graph_amortized(fn, calls: int = 20, reps: int = 15, flush_mode: str = "write") -> float:
     """Median microseconds per call inside one graph of ``calls`` calls, each after a
     256 MB L2 flush, minus a graph of the flushes alone: what a call costs inside a
-    captured decode step (launch gaps included, the one-off graph launch not)."""
+    captured decode step (launch gaps included, the one-off graph launch not).
+
+    ``flush_mode="write"`` flushes by zeroing the buffer, which leaves the L2 full of
+    dirty lines that the call then writes back to HBM while it reads (as after a layer
+    that wrote its output); ``"read"`` flushes by summing it, which leaves clean lines
+    (as after the index kernel, which only reads): the call moves its own bytes only."""
+    if flush_mode not in ("write", "read"):
+        raise ValueError(f"flush_mode: expected 'write' or 'read', got {flush_mode!r}")
     if SMOKE:
         return bench(fn)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    flush_words = flush.view(torch.int32)
+    flush_words.fill_(1)
+    total = torch.empty((), dtype=torch.int64, device=DEV)
+
+    def one_flush():
+        if flush_mode == "write":
+            flush.zero_()
+        else:
+            torch.sum(flush_words, dim=0, dtype=torch.int64, out=total)
 
     def many(with_call):
         def run():
             for _ in range(calls):
-                flush.zero_()
+                one_flush()
                 if with_call:
                     fn()
         return graph_of(run)
@@ -268,7 +289,7 @@ def bench_graph_amortized(fn, calls: int = 20, reps: int = 15) -> float:
 
     g_both, g_flush = many(True), many(False)
     t = (timed(g_both) - timed(g_flush)) / calls
-    del g_both, g_flush, flush
+    del g_both, g_flush, flush, flush_words, total
     return t
 
 
@@ -382,15 +403,18 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
     fl = floor_us(p, st)
     ref = kernel_call(p)()
     lines = ["| block_n | warps | stages | programs/SM | merge | splits | graph us | x floor | in-graph us | x floor | "
-             "kernel |", "|" + "---|" * 11]
+             "in-graph us, clean L2 | x floor | kernel |", "|" + "---|" * 13]
     kept = torch.zeros(p["q"].shape[0] * HKV, dtype=torch.int32, device=DEV)
     best, best_t = None, float("inf")
     saved = dict(tdec.DECODE_CONFIG)
     for var in args.variants:
-        bn, w, s_, pps, fused, keep = var
+        bn, w, s_, pps, fused, keep, forced = var
         tdec.DECODE_CONFIG.update(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused))
-        splits = tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
-        fn = kernel_call(p, **({"arrival_counts": kept} if keep else {}))
+        splits = forced or tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
+        extra = {"arrival_counts": kept} if keep else {}
+        if forced:
+            extra["num_splits"] = forced
+        fn = kernel_call(p, **extra)
         try:
             out, _ = fn()
             diff = float((out.float() - ref[0].float()).norm() / ref[0].float().norm())
@@ -399,14 +423,16 @@ def sweep(pool: Pool, args) -> tuple[dict, list[str]]:
             info = kernel_info(tdec._decode_split_kernel)
             t = bench_graph(fn)
             ta = bench_graph_amortized(fn)
+            tc = bench_graph_amortized(fn, flush_mode="read")
         except Exception as e:  # noqa: BLE001
-            t = ta = float("nan")
+            t = ta = tc = float("nan")
             info = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
         merge = ("in place, kept counts" if keep else "in place") if fused and splits > 1 else "kernel" if splits > 1 else "-"
         lines.append(f"| {bn} | {w} | {s_} | {pps} | {merge} | {splits} | {t:.1f} | {t / fl:.2f} | {ta:.1f} | "
-                     f"{ta / fl:.2f} | {info} |")
+                     f"{ta / fl:.2f} | {tc:.1f} | {tc / fl:.2f} | {info} |")
         log(lines[-1])
-        if t < best_t and not keep:  # kept counts are not a DECODE_CONFIG setting
+        # Kept counts and forced split counts are not DECODE_CONFIG settings.
+        if t < best_t and not keep and not forced:
             best, best_t = dict(block_n=bn, num_warps=w, num_stages=s_, programs_per_sm=pps, fused_merge=bool(fused)), t
     tdec.DECODE_CONFIG.clear()
     tdec.DECODE_CONFIG.update(saved)
@@ -432,6 +458,7 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
     r["decode_eager"] = bench(decode_call(p))
     r["decode_graph"] = bench_graph(decode_call(p))
     r["decode_in_graph"] = bench_graph_amortized(decode_call(p))
+    r["decode_in_graph_clean"] = bench_graph_amortized(decode_call(p), flush_mode="read")
     r["splits"] = tdec.default_num_splits(p["q"].shape[0], HKV, TOPK, BLOCK, p["q"].device)
     r["kvouter_eager"] = bench(kvouter_call(p))
     r["kvouter_graph"] = bench_kvouter_graph(kvouter_call(p))
@@ -445,6 +472,7 @@ def decode_section(pool: Pool, args, default_cfg: dict, best_cfg: dict) -> dict:
         del out, lse
         r["decode_fp8_graph"] = bench_graph(decode_fp8_call(p8))
         r["decode_fp8_in_graph"] = bench_graph_amortized(decode_fp8_call(p8))
+        r["decode_fp8_in_graph_clean"] = bench_graph_amortized(decode_fp8_call(p8), flush_mode="read")
         r["floor_fp8"] = (st["keys"] * D * 2 + 2 * p["q"].numel() * 2) / PEAK_BYTES * 1e6
         log(f"  (a) fp8 K/V: decode {r['decode_fp8_graph']:.1f} us graph | floor {r['floor_fp8']:.1f} us | "
             f"err vs bf16 inputs {r['err_fp8']:.1e}")
@@ -608,31 +636,32 @@ def fmt(x, nd=1):
 
 def table_a(rows: list[dict]) -> str:
     lines = [
-        "| ctx | page | B | decode graph us | decode in-graph us | decode eager us | default config graph us | splits | "
-        "KV-outer eager us | KV-outer graph us | dense SDPA us (backend) | floor us | decode graph / floor | "
-        "in-graph / floor | KV-outer / decode (graph) | err |",
-        "|" + "---|" * 16,
+        "| ctx | page | B | decode graph us | decode in-graph us | in-graph, clean L2 | decode eager us | "
+        "default config graph us | splits | KV-outer eager us | KV-outer graph us | dense SDPA us (backend) | floor us | "
+        "decode graph / floor | in-graph / floor | in-graph clean / floor | KV-outer / decode (graph) | err |",
+        "|" + "---|" * 18,
     ]
     for r in rows:
         kvg = r.get("kvouter_graph")
         lines.append(
             f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_graph'])} | {fmt(r['decode_in_graph'])} | "
-            f"{fmt(r['decode_eager'])} | "
+            f"{fmt(r['decode_in_graph_clean'])} | {fmt(r['decode_eager'])} | "
             f"{fmt(r['decode_default_graph'])} | {r['splits']} | {fmt(r['kvouter_eager'])} | {fmt(kvg)} | "
             f"{fmt(r.get('dense'))} ({r.get('dense_backend', '-')}) | {fmt(r['floor'])} | "
             f"{r['decode_graph'] / r['floor']:.2f} | {r['decode_in_graph'] / r['floor']:.2f} | "
-            f"{fmt(kvg / r['decode_graph'] if kvg else None, 2)} | "
+            f"{r['decode_in_graph_clean'] / r['floor']:.2f} | {fmt(kvg / r['decode_graph'] if kvg else None, 2)} | "
             f"{max(r['err_decode'], r['err_kvouter']):.1e} |"
         )
     fp8 = [r for r in rows if "decode_fp8_graph" in r]
     if fp8:
-        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | in-graph us | fp8 floor us | graph / floor | "
-                  "in-graph / floor | err vs bf16 inputs |", "|" + "---|" * 9]
+        lines += ["", "| ctx | page | B | fp8 K/V decode graph us | in-graph us | in-graph, clean L2 | fp8 floor us | "
+                  "graph / floor | in-graph / floor | in-graph clean / floor | err vs bf16 inputs |", "|" + "---|" * 11]
         for r in fp8:
             lines.append(
                 f"| {kib(r['ctx'])} | {r['page']} | {r['b']} | {fmt(r['decode_fp8_graph'])} | "
-                f"{fmt(r['decode_fp8_in_graph'])} | {fmt(r['floor_fp8'])} | "
+                f"{fmt(r['decode_fp8_in_graph'])} | {fmt(r['decode_fp8_in_graph_clean'])} | {fmt(r['floor_fp8'])} | "
                 f"{r['decode_fp8_graph'] / r['floor_fp8']:.2f} | {r['decode_fp8_in_graph'] / r['floor_fp8']:.2f} | "
+                f"{r['decode_fp8_in_graph_clean'] / r['floor_fp8']:.2f} | "
                 f"{r['err_fp8']:.1e} |"
             )
     return "\n".join(lines)
@@ -657,22 +686,32 @@ def table_b(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_variants(s: str) -> list[tuple[int, int, int, int, int, int]]:
+def parse_variants(s: str) -> list[tuple[int, int, int, int, int, int, int]]:
+    """``block_n:warps:stages:programs_per_sm[:fused[:kept]][@splits]`` items; splits 0 = from
+    programs_per_sm (``default_num_splits``)."""
     out = []
     for item in s.split(","):
         if item:
-            vals = tuple(int(x) for x in item.split(":"))
+            head, at, forced = item.partition("@")
+            usage = (
+                "--variants: expected block_n:warps:stages:programs_per_sm[:fused[:kept counts]][@splits], "
+                f"got {item!r}"
+            )
+            try:
+                vals = tuple(int(x) for x in head.split(":"))
+            except ValueError:
+                raise SystemExit(usage) from None
             if len(vals) == 4:
                 vals += (1,)
             if len(vals) == 5:
                 vals += (0,)
-            if len(vals) != 6:
-                raise SystemExit(
-                    f"--variants: expected block_n:warps:stages:programs_per_sm[:fused[:kept counts]], got {item!r}"
-                )
+            if len(vals) != 6 or (at and not forced.isdigit()):
+                raise SystemExit(usage)
+            if at and not 1 <= int(forced) <= tdec.MAX_SPLITS:
+                raise SystemExit(f"--variants: splits must be in 1..{tdec.MAX_SPLITS}, got {item!r}")
             if vals[5] and not vals[4]:
                 raise SystemExit(f"--variants: kept counts are the in-place merge's, so need fused 1: {item!r}")
-            out.append(vals)
+            out.append(vals + (int(forced or 0),))
     return out
 
 
@@ -700,7 +739,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8192, help="(b) skips batch variants with more query tokens")
     ap.add_argument("--pattern", default="random", choices=("random", "hot"))
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
-                    help="launch sweep: block_n:warps:stages:programs_per_sm[:fused merge 1/0],...")
+                    help="launch sweep: block_n:warps:stages:programs_per_sm[:fused merge 1/0[:kept counts 1/0]]"
+                         "[@splits],... (@S forces S splits)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="keep DECODE_CONFIG, skip the sweep")
     ap.add_argument("--no-dense", dest="dense", action="store_false", help="skip dense SDPA")
     ap.add_argument("--no-crossover", dest="crossover", action="store_false", help="skip (b)")

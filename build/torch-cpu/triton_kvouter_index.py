@@ -14,7 +14,8 @@ over fixed-size tiles suffice:
    Ranks come from comparing against the chunk's rows one at a time, so no program reads
    what another thread of it wrote.
 2. ``_chunk_scan_kernel``: per (kv head, sequence, block range) an exclusive scan of the
-   counts over the sequence's chunks (in place) and the segment totals.
+   counts over the sequence's chunks (in place, ``SCAN_CHUNKS`` chunks per step) and the
+   segment totals.
 3. ``_scatter_kernel``: entry = segment offset + chunk prefix + rank; writes the entry
    arrays and turns the ranks in ``slot_of`` into entry ids.
 
@@ -41,7 +42,11 @@ MAX_COUNT_CELLS = 1 << 26
 # The chunk tile stays in registers: it grows to at most this many entries (256 tokens at
 # top-16, enough for a 512K-token prompt over a 512K-token table within MAX_COUNT_CELLS).
 MAX_CHUNK_ENTRIES = 4096
-SCAN_BLOCKS = 256  # blocks per program of the scan pass
+SCAN_BLOCKS = 64  # blocks per program of the scan pass
+SCAN_CHUNKS = 32  # chunks per step of the scan pass
+# The rank and scatter passes unroll their loops over a row's slots up to this (padded) top-k;
+# wider rows loop at run time (a full unroll of hundreds of slots takes minutes to compile).
+UNROLL_TOPK = 64
 
 
 @triton.jit
@@ -70,7 +75,9 @@ def _locate_chunk(cu_ptr, chunk, batch, C: tl.constexpr, BB: tl.constexpr):
 
 
 @triton.jit
-def _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C: tl.constexpr, TK: tl.constexpr):
+def _chunk_selection(
+    sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C: tl.constexpr, TK: tl.constexpr, UNROLL: tl.constexpr
+):
     """The chunk's selections [C, TK] and which of them are live (in range, >= 0, and the
     first slot of their id in the row)."""
     offs_t = tl.arange(0, C)
@@ -81,9 +88,15 @@ def _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C: tl.const
     p_row = sel_ptr + tok.to(tl.int64) * s_t + g * s_g  # [C]
     b_sel = tl.load(p_row[:, None] + offs_r[None, :] * s_r, mask=ok, other=-1)  # [C, TK]
     b_live = ok & (b_sel >= 0)
-    for r2 in range(0, topk):
-        b_col = tl.load(p_row + r2 * s_r, mask=t_ok, other=-1)  # [C]
-        b_live &= ~((b_sel == b_col[:, None]) & (offs_r[None, :] > r2))
+    if UNROLL:
+        for r2 in tl.static_range(TK):
+            # Past topk: the last slot again, which only ever matches itself or earlier slots.
+            b_col = tl.load(p_row + tl.minimum(r2, topk - 1) * s_r, mask=t_ok, other=-1)  # [C]
+            b_live &= ~((b_sel == b_col[:, None]) & (offs_r[None, :] > r2))
+    else:
+        for r2 in range(0, topk):
+            b_col = tl.load(p_row + r2 * s_r, mask=t_ok, other=-1)  # [C]
+            b_live &= ~((b_sel == b_col[:, None]) & (offs_r[None, :] > r2))
     return tok, b_sel, b_live
 
 
@@ -103,11 +116,12 @@ def _chunk_rank_kernel(
     C: tl.constexpr,
     TK: tl.constexpr,
     BB: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     g = tl.program_id(1)
     seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
-    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK)
+    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
     offs_t = tl.arange(0, C)
     offs_r = tl.arange(0, TK)
 
@@ -117,9 +131,17 @@ def _chunk_rank_kernel(
         p_row = sel_ptr + (tok0 + j).to(tl.int64) * s_t + g * s_g
         b_hit = tl.zeros([C, TK], dtype=tl.int32)
         # A row counts once per id whatever its repeats: the hit is an any() over its slots.
-        for r2 in range(0, topk):
-            v = tl.load(p_row + r2 * s_r)
-            b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
+        # Unrolled (up to UNROLL_TOPK slots), so that the row's loads are all in flight
+        # before the first compare.
+        if UNROLL:
+            for r2 in tl.static_range(TK):
+                # Slots past topk (TK is topk rounded up) reread the last one: a repeat, no new hit.
+                v = tl.load(p_row + tl.minimum(r2, topk - 1) * s_r)
+                b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
+        else:
+            for r2 in range(0, topk):
+                v = tl.load(p_row + r2 * s_r)
+                b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
         b_total += b_hit
         b_before += tl.where(offs_t[:, None] > j, b_hit, 0)
 
@@ -141,6 +163,7 @@ def _chunk_scan_kernel(
     C: tl.constexpr,
     BB: tl.constexpr,
     BLK: tl.constexpr,
+    U: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     g = tl.program_id(1)
@@ -150,14 +173,20 @@ def _chunk_scan_kernel(
     c_lo = tl.sum(tl.where(offs_b == s, first, 0), 0)
     c_hi = tl.sum(tl.where(offs_b == s, end, 0), 0)
     offs = pid_b * BLK + tl.arange(0, BLK)
+    offs_u = tl.arange(0, U)
     ok = offs < max_blocks
+    row = hkv * max_blocks  # cells between one chunk's counts and the next one's
     b_run = tl.zeros([BLK], dtype=tl.int32)
-    p_cnt = cnt_ptr + (c_lo.to(tl.int64) * hkv + g) * max_blocks + offs  # [BLK]
-    for _ in range(c_lo, c_hi):
-        b_cnt = tl.load(p_cnt, mask=ok, other=0)
-        tl.store(p_cnt, b_run, mask=ok)
-        b_run += b_cnt
-        p_cnt += hkv * max_blocks
+    # U chunks per step, scanned inside the tile: a long prompt has thousands of chunks, and
+    # one dependent load-and-store step per chunk would leave the pass waiting on memory.
+    for c0 in range(c_lo, c_hi, U):
+        c = c0 + offs_u  # [U]
+        m = (c < c_hi)[:, None] & ok[None, :]  # [U, BLK]
+        p_cnt = cnt_ptr + (c.to(tl.int64) * row + g * max_blocks)[:, None] + offs[None, :]  # [U, BLK]
+        b_cnt = tl.load(p_cnt, mask=m, other=0)
+        b_inc = tl.cumsum(b_cnt, 0)  # [U, BLK]
+        tl.store(p_cnt, b_run[None, :] + b_inc - b_cnt, mask=m)
+        b_run += tl.sum(b_cnt, 0)
     seg = (g * batch + s).to(tl.int64) * max_blocks + offs
     tl.store(tot_ptr + seg, b_run, mask=ok)
 
@@ -182,11 +211,12 @@ def _scatter_kernel(
     C: tl.constexpr,
     TK: tl.constexpr,
     BB: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     g = tl.program_id(1)
     seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
-    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK)
+    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
     offs_r = tl.arange(0, TK)
     b_blk = tl.where(b_live, b_sel, 0)
     p_slot = slot_ptr + (tok[:, None].to(tl.int64) * hkv + g) * topk + offs_r[None, :]  # [C, TK]
@@ -267,18 +297,19 @@ def build_kvouter_index_triton(
     tk = next_pow2(topk)
     bb = max(2, next_pow2(batch))
     strides = selected.stride()
+    unroll = tk <= UNROLL_TOPK
     _chunk_rank_kernel[(max_chunks, hkv)](
         selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb,
-        num_warps=4,
+        UNROLL=unroll, num_warps=4,
     )  # fmt: skip
     blk = min(SCAN_BLOCKS, next_pow2(max_blocks))
     _chunk_scan_kernel[(triton.cdiv(max_blocks, blk), hkv, batch)](
-        cu, counts, totals, batch, hkv, max_blocks, C=chunk, BB=bb, BLK=blk, num_warps=4
+        cu, counts, totals, batch, hkv, max_blocks, C=chunk, BB=bb, BLK=blk, U=SCAN_CHUNKS, num_warps=4
     )
     torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
     _scatter_kernel[(max_chunks, hkv)](
         selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
-        batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb, num_warps=4,
+        batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb, UNROLL=unroll, num_warps=4,
     )  # fmt: skip
     return index
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_11a62b4989"
+NAMESPACE = "_m3_sparse_cuda_d6c8c3bc5d"
 
 ops = getattr(torch.ops, NAMESPACE)
 

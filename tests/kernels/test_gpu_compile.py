@@ -48,11 +48,11 @@ def build(kernel, constexprs, pointers, num_warps=4, num_stages=2):
 I32 = "*i32"
 
 def index_builder(k, topk, chunk=None):
-    cx = dict(C=chunk or 512 // topk, TK=topk, BB=2)
+    cx = dict(C=chunk or 512 // topk, TK=topk, BB=2, UNROLL=topk <= tidx.UNROLL_TOPK)
     ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
             "seg_off_ptr": I32, "e_tok_ptr": I32, "e_rank_ptr": I32, "e_seg_ptr": I32}
     if k is tidx._chunk_scan_kernel:
-        cx = dict(C=512 // topk, BB=2, BLK=256)
+        cx = dict(C=512 // topk, BB=2, BLK=tidx.SCAN_BLOCKS, U=tidx.SCAN_CHUNKS)
     return build(k, cx, ptrs)
 
 def partials(dtype="bf16", kv="bf16", po="bf16", **kw):
@@ -126,8 +126,10 @@ cases = {
     "index rank topk16": lambda: index_builder(tidx._chunk_rank_kernel, 16),
     "index rank topk32": lambda: index_builder(tidx._chunk_rank_kernel, 32),
     "index rank, largest chunk": lambda: index_builder(tidx._chunk_rank_kernel, 16, tidx.MAX_CHUNK_ENTRIES // 16),
+    "index rank, slots looped at run time": lambda: index_builder(tidx._chunk_rank_kernel, 128),
     "index scan": lambda: index_builder(tidx._chunk_scan_kernel, 16),
     "index scatter": lambda: index_builder(tidx._scatter_kernel, 16),
+    "index scatter, slots looped at run time": lambda: index_builder(tidx._scatter_kernel, 128),
     "scheduler": lambda: build(tsched._emit_tiles_kernel, dict(BT=128, BP=1024),
                                {n: I32 for n in ("seg_off_ptr", "tile_base_ptr", "tile_seg_ptr", "tile_start_ptr",
                                                  "tile_end_ptr", "num_tiles_ptr", "prog_ptr")}),

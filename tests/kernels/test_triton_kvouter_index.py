@@ -90,6 +90,8 @@ CASES = [
     ([0, 40, 0, 17, 0], 2, 5, 9, 8),  # empty sequences first, between and last
     ([33], 1, 32, 64, 16),  # topk 32, several chunks, a partial last one
     ([9, 16, 1], 4, 16, 12, 1),  # one token per chunk
+    ([70, 3], 2, 2, 9, 1),  # 70 chunks in a sequence: several steps of the scan pass
+    ([9, 4], 2, 80, 50, 4),  # topk past UNROLL_TOPK (slot loops at run time), not a power of two
 ]
 
 

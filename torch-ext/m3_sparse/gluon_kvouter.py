@@ -11,10 +11,13 @@ all that hides it (docs/PERF.md, "What limited the per-tile kernel"). Here:
 
 * a query tile is TQ boxes of ``[G, D]`` (one token's G heads of one KV head are
   contiguous rows of ``q`` viewed as ``[T * Hq, D]``), copied by TMA into a
-  two-slot shared-memory ring one tile ahead, so the next tile's gather is in
-  flight while the current one computes;
-* the tile metadata (segment, entry range, tokens) is loaded two tiles ahead, so the
-  copy of the next tile never waits on a dependent global load;
+  two-slot shared-memory ring two tiles ahead of their MMA;
+* the loop is software-pipelined by one tile: P @ V of tile t and then Q K^T of tile
+  t + 1 are issued asynchronously, and tile t's partials are stored while that Q K^T
+  runs (a tile that starts a new run recomputes its scores after the K/V reload);
+* the tile metadata runs further ahead (tokens three tiles, entry ranges four), so no
+  load waits on a load of the same iteration; every thread holds a tile's tokens, so
+  picking a box's token needs no cross-warp step;
 * the K/V block stays in shared memory for a run of the segment's tiles (one TMA
   box per page it spans);
 * the tile's partial rows ``e * G + h`` are consecutive, so a full tile leaves in one
@@ -40,7 +43,13 @@ import torch
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this kernel needs.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _sync_threads = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
@@ -124,14 +133,18 @@ def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, tile, t_hi, offs_t):
-        """(segment, first entry, end entry, tokens [TQ]) of a tile; an empty range past the slice."""
+    def _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, tile, t_hi):
+        """(segment, first entry, end entry) of a tile; an empty range past the slice."""
         live = tile < t_hi
         seg = gl.load(tile_seg_ptr + tile, mask=live, other=0).to(gl.int32)
         e0 = gl.load(tile_start_ptr + tile, mask=live, other=0).to(gl.int32)
         e1 = gl.load(tile_end_ptr + tile, mask=live, other=0).to(gl.int32)
-        toks = gl.load(entry_token_ptr + e0 + offs_t, mask=e0 + offs_t < e1, other=0).to(gl.int32)
-        return seg, e0, e1, toks
+        return seg, e0, e1
+
+    @gluon.jit
+    def _tile_tokens(entry_token_ptr, e0, e1, offs_t):
+        """The tokens [TQ] of a tile's entries (0 past its end)."""
+        return gl.load(entry_token_ptr + e0 + offs_t, mask=e0 + offs_t < e1, other=0).to(gl.int32)
 
     @gluon.jit
     def _issue_q(q_desc, q_slot, bar, seg, toks, offs_t, live, nbg, hq,
@@ -182,6 +195,9 @@ if HAVE_GLUON:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        # Every thread holds a tile's TQ tokens, so picking one for a TMA coordinate is a
+        # reduction inside the thread (no shuffles, no barrier between warps).
+        tok_layout: gl.constexpr = gl.BlockedLayout([TQ], [32], [4], [0])
         fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         v_reg_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
@@ -203,7 +219,7 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        offs_t = gl.arange(0, TQ, layout=vec_layout)
+        offs_t = gl.arange(0, TQ, layout=tok_layout)
         offs_r = gl.arange(0, BM, layout=row_layout)
         offs_n = gl.arange(0, BS, layout=col_layout)
         r_tok = offs_r // G
@@ -211,59 +227,75 @@ if HAVE_GLUON:
         t_lo = gl.load(prog_tiles_ptr + pid)
         t_hi = gl.load(prog_tiles_ptr + pid + 1)
 
-        # Tile t's queries were copied one iteration earlier; the metadata runs two ahead.
-        a_seg, a_e0, a_e1, a_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t_lo, t_hi, offs_t)
-        b_seg, b_e0, b_e1, b_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t_lo + 1, t_hi, offs_t)
+        # The loop is software-pipelined by one tile: iteration t runs tile t's softmax, starts
+        # its P @ V and then tile t + 1's Q K^T, and stores tile t's partials while that Q K^T
+        # runs; tile t + 1's scores are the loop-carried b_s. A tile that starts a new run
+        # (other K/V) gets its Q K^T again, after the reload, at the top of its iteration
+        # (have_s = 0), and so does the first one.
+        # Queries: tile t + 2's copies are issued at the top of iteration t, into the slot
+        # tile t's Q K^T has just finished with. Metadata: tokens three tiles ahead, entry
+        # ranges four ahead, so no load in the loop waits on a load of the same iteration.
+        a_seg, a_e0, a_e1 = _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo, t_hi)
+        a_toks = _tile_tokens(entry_token_ptr, a_e0, a_e1, offs_t)
+        b_seg, b_e0, b_e1 = _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo + 1, t_hi)
+        b_toks = _tile_tokens(entry_token_ptr, b_e0, b_e1, offs_t)
+        c_seg, c_e0, c_e1 = _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo + 2, t_hi)
+        c_toks = _tile_tokens(entry_token_ptr, c_e0, c_e1, offs_t)
+        d_seg, d_e0, d_e1 = _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t_lo + 3, t_hi)
         _issue_q(q_desc, q_smem.index(0), q_bars.index(0), a_seg, a_toks, offs_t, t_lo < t_hi, nbg, hq, G, TQ, D)
+        _issue_q(q_desc, q_smem.index(1), q_bars.index(1), b_seg, b_toks, offs_t, t_lo + 1 < t_hi, nbg, hq, G, TQ, D)
 
         cur_seg = -1
         kv_phase = 0
         blk = 0
         kv_len = 0
         pos_base = 0
+        have_s = 0
+        b_s = gl.zeros([BM, BS], gl.float32, s_layout)
         for t in range(t_lo, t_hi):
             j = t - t_lo
-            # The other slot was read by tile t - 1's MMA, which every warp has waited for.
-            _sync_threads()
-            _issue_q(q_desc, q_smem.index((j + 1) % 2), q_bars.index((j + 1) % 2), b_seg, b_toks, offs_t,
-                     t + 1 < t_hi, nbg, hq, G, TQ, D)
-            c_seg, c_e0, c_e1, c_toks = _tile_meta(tile_seg_ptr, tile_start_ptr, tile_end_ptr, entry_token_ptr, t + 2, t_hi, offs_t)
-
-            g = a_seg // nbg
-            if a_seg != cur_seg:
-                # A new run: its K/V block, one box per page it spans (absent pages read page 0,
-                # their keys are masked and their values zeroed below).
-                gb = a_seg % nbg
-                seq = gb // max_blocks
-                blk = gb - seq * max_blocks
-                # Lengths and pages may be int64 tensors; TMA coordinates are 32-bit (the
-                # launcher bounds every row index below 2^31).
-                kv_len = gl.load(kvlen_ptr + seq).to(gl.int32)
-                pos_base = kv_len - gl.load(cu_ptr + seq + 1).to(gl.int32)
-                mbarrier.expect(kv_bar, 2 * BS * D * dt.primitive_bitwidth // 8)
-                for p in gl.static_range(BS // PB):
-                    k_pos = blk * BS + p * PB
-                    page = gl.load(bt_ptr + seq.to(gl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(gl.int32)
-                    page = gl.where(page < 0, 0, page)
-                    row = (page * hkv + g) * PS + k_pos % PS
-                    tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.slice(p * PB, PB))
-                    tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_in.slice(p * PB, PB))
-                mbarrier.wait(kv_bar, kv_phase)
-                kv_phase ^= 1
-                # Keys past the sequence are masked, but 0 * (stale V) must not be NaN; fp8 V
-                # is widened once per run (e4m3 -> bf16 / fp16 is exact).
-                if FP8:
-                    _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
-                elif blk * BS + BS > kv_len:
-                    _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
-                cur_seg = a_seg
-
             slot = j % 2
-            mbarrier.wait(q_bars.index(slot), (j // 2) & 1)
-            q_tile = q_smem.index(slot)
-            b_s = warpgroup_mma(q_tile, k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout), use_acc=False)
-            b_s = b_s * qk_scale  # [BM, BS], log2 units
+            g = a_seg // nbg
+            if have_s == 0:
+                if a_seg != cur_seg:
+                    # A new run: its K/V block, one box per page it spans (absent pages read
+                    # page 0, their keys are masked and their values zeroed below). Every
+                    # warp's MMAs on the old block have been waited for.
+                    _sync_threads()
+                    gb = a_seg % nbg
+                    seq = gb // max_blocks
+                    blk = gb - seq * max_blocks
+                    # Lengths and pages may be int64 tensors; TMA coordinates are 32-bit (the
+                    # launcher bounds every row index below 2^31).
+                    kv_len = gl.load(kvlen_ptr + seq).to(gl.int32)
+                    pos_base = kv_len - gl.load(cu_ptr + seq + 1).to(gl.int32)
+                    mbarrier.expect(kv_bar, 2 * BS * D * dt.primitive_bitwidth // 8)
+                    for p in gl.static_range(BS // PB):
+                        k_pos = blk * BS + p * PB
+                        page = gl.load(bt_ptr + seq.to(gl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(gl.int32)
+                        page = gl.where(page < 0, 0, page)
+                        row = (page * hkv + g) * PS + k_pos % PS
+                        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.slice(p * PB, PB))
+                        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_in.slice(p * PB, PB))
+                    mbarrier.wait(kv_bar, kv_phase)
+                    kv_phase ^= 1
+                    # Keys past the sequence are masked, but 0 * (stale V) must not be NaN; fp8
+                    # V is widened once per run (e4m3 -> bf16 / fp16 is exact).
+                    if FP8:
+                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                    elif blk * BS + BS > kv_len:
+                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                    cur_seg = a_seg
+                mbarrier.wait(q_bars.index(slot), (j // 2) & 1)
+                b_s = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout),
+                                    use_acc=False)
+            # Tile t's slot is free once every warp's Q K^T on it is done: tile t + 2's copies.
+            _sync_threads()
+            _issue_q(q_desc, q_smem.index(slot), q_bars.index(slot), c_seg, c_toks, offs_t, t + 2 < t_hi, nbg, hq, G, TQ, D)
+            d_toks = _tile_tokens(entry_token_ptr, d_e0, d_e1, offs_t)
+            e_seg, e_e0, e_e1 = _tile_range(tile_seg_ptr, tile_start_ptr, tile_end_ptr, t + 4, t_hi)
 
+            b_s = b_s * qk_scale  # [BM, BS], log2 units
             n_ent = a_e1 - a_e0
             row_ok = r_tok < n_ent
             # Only a block reaching past the earliest row's last visible key needs the mask; a
@@ -288,14 +320,20 @@ if HAVE_GLUON:
             b_p = gl.exp2(b_s - m_safe[:, None])  # [BM, BS]
             b_l = gl.sum(b_p, axis=1)  # [BM]
             p_op = gl.convert_layout(b_p.to(ot), p_layout)
-            b_o = warpgroup_mma(p_op, v_smem, gl.zeros([BM, D], gl.float32, o_layout), use_acc=False)  # [BM, D]
+            o_acc = warpgroup_mma(p_op, v_smem, gl.zeros([BM, D], gl.float32, o_layout), use_acc=False, is_async=True)
+            # Tile t + 1's scores on the resident K. When tile t + 1 starts a new run (or there
+            # is none) they are discarded and its iteration recomputes them; with no tile
+            # t + 1 the slot holds no copy in flight and nothing is waited for. (Skipping the
+            # discarded product needs a branch around the asynchronous MMA, which made the
+            # compiler spill; it runs beside the tile's stores and the next run's K/V load.)
+            nslot = (j + 1) % 2
+            mbarrier.wait(q_bars.index(nslot), ((j + 1) // 2) & 1, pred=t + 1 < t_hi)
+            s_acc = warpgroup_mma(q_smem.index(nslot), k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
+            b_o, p_op = warpgroup_mma_wait(1, deps=[o_acc, p_op])  # [BM, D]; P @ V done, Q K^T may run
             if FP8:
                 b_o = b_o * v_scale
 
-            # Rows e * G + h of the tile's entries are rows a_e0 * G + r of the buffer.
-            o_row = a_e0.to(gl.int64) * G + offs_r
-            gl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
-            gl.store(pl_ptr + o_row, b_l, mask=row_ok)
             tma.store_wait(0)
             _sync_threads()
             o_smem.store(b_o.to(ot))
@@ -307,9 +345,18 @@ if HAVE_GLUON:
                 for i in gl.static_range(TQ):
                     if i < n_ent:
                         tma.async_copy_shared_to_global(o1_desc, [(a_e0 + i) * G, 0], o_smem.slice(i * G, G))
+            # The row stats once the partials' store is on its way (the staging fence does not
+            # order them). Rows e * G + h of the tile's entries are rows a_e0 * G + r.
+            o_row = a_e0.to(gl.int64) * G + offs_r
+            gl.store(pm_ptr + o_row, b_m * 0.6931471805599453, mask=row_ok)
+            gl.store(pl_ptr + o_row, b_l, mask=row_ok)
+            b_s = warpgroup_mma_wait(0, deps=[s_acc])
+            have_s = ((t + 1 < t_hi) & (b_seg == cur_seg)).to(gl.int32)
 
             a_seg, a_e0, a_e1, a_toks = b_seg, b_e0, b_e1, b_toks
             b_seg, b_e0, b_e1, b_toks = c_seg, c_e0, c_e1, c_toks
+            c_seg, c_e0, c_e1, c_toks = d_seg, d_e0, d_e1, d_toks
+            d_seg, d_e0, d_e1 = e_seg, e_e0, e_e1
         tma.store_wait(0)
         mbarrier.invalidate(q_bars.index(0))
         mbarrier.invalidate(q_bars.index(1))
