@@ -7,7 +7,8 @@ sequences. One process per (case, tool), the case's output checked against the t
 path so a kernel that silently did nothing does not pass.
 
     python3 benchmarks/sanitize.py                      # all cases, memcheck + racecheck
-    python3 benchmarks/sanitize.py --cases kvouter --tools memcheck,initcheck
+    python3 benchmarks/sanitize.py --cases kvouter --tools memcheck,racecheck
+    python3 benchmarks/sanitize.py --cases kvouter --tools initcheck --engine triton
     python3 benchmarks/sanitize.py --list
     python3 benchmarks/sanitize.py --case dense         # one case, no sanitizer (what a run wraps)
 
@@ -17,6 +18,10 @@ processes), then under each tool, where every kernel comes from the cache. The
 children run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: with PyTorch's caching allocator a
 read past a tensor usually lands inside the same cached segment, which memcheck cannot
 tell from a legal access; without it every tensor is its own allocation.
+
+initcheck does not count what a TMA store writes as initialized, so with the TMA partials
+kernel (the KV-outer default on sm_90) it flags the combine's reads of partial O: run
+initcheck on the kvouter case with ``--engine triton`` (docs/RELIABILITY.md).
 
 The last thing printed is a table case x tool -> errors; the exit status is 1 if any
 tool reported an error, a run did not finish, or a case's check failed. Logs and a
@@ -382,8 +387,9 @@ def case_decode_attention(torch, m3, g):
 # ----------------------------------------------------------------------------- child
 
 
-def run_case(name: str, device: str = "cuda") -> int:
-    """Run one case once (the process a sanitizer run wraps); 0 if its checks pass."""
+def run_case(name: str, device: str = "cuda", engine: str = "auto") -> int:
+    """Run one case once (the process a sanitizer run wraps); 0 if its checks pass.
+    ``engine``: the KV-outer partials kernel (``triton_kvouter.ATTN_CONFIG["engine"]``)."""
     global DEVICE
     DEVICE = device
     if device == "cpu":
@@ -392,6 +398,9 @@ def run_case(name: str, device: str = "cuda") -> int:
     import torch
 
     import m3_sparse
+    from m3_sparse import triton_kvouter
+
+    triton_kvouter.ATTN_CONFIG["engine"] = engine
 
     if device == "cuda" and not torch.cuda.is_available():
         print(f"case {name}: needs a CUDA device", flush=True)
@@ -452,8 +461,8 @@ def parse_log(text: str) -> dict:
     }
 
 
-def child_cmd(name: str, device: str = "cuda") -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", device]
+def child_cmd(name: str, device: str = "cuda", engine: str = "auto") -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", device, "--engine", engine]
 
 
 def run_proc(cmd, env, timeout, log_path: Path) -> tuple[int | None, float, str]:
@@ -479,6 +488,11 @@ def main() -> int:
     ap.add_argument("--case", help="run one case once, without the sanitizer (what each sanitizer run wraps)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to try the cases in the Triton interpreter")
     ap.add_argument("--list", action="store_true", help="list the cases")
+    ap.add_argument(
+        "--engine", default="auto", choices=("auto", "triton"),
+        help="KV-outer partials kernel: auto (the TMA kernel on sm_90) or triton (the tl kernel). initcheck does "
+        "not count bytes a TMA store writes as initialized: with auto it flags the combine's reads of partial O",
+    )
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (default: all)")
     ap.add_argument("--tools", default="memcheck,racecheck", help="compute-sanitizer tools (also initcheck, synccheck)")
     ap.add_argument("--jobs", type=int, default=6, help="sanitizer processes at once (they share the one GPU)")
@@ -492,7 +506,7 @@ def main() -> int:
             print(f"{name:18s} {what}")
         return 0
     if args.case:
-        return run_case(args.case, args.device)
+        return run_case(args.case, args.device, args.engine)
 
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
@@ -518,7 +532,7 @@ def main() -> int:
     warm = {}
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futs = {
-            pool.submit(run_proc, child_cmd(n, args.device), env, args.timeout, out_dir / f"{n}.warmup.log"): n
+            pool.submit(run_proc, child_cmd(n, args.device, args.engine), env, args.timeout, out_dir / f"{n}.warmup.log"): n
             for n in names
         }
         for f in cf.as_completed(futs):
@@ -536,7 +550,7 @@ def main() -> int:
     def sanitize(n, t):
         log = out_dir / f"{n}.{t}.log"
         cmd = [sanitizer, "--tool", t, "--target-processes", "all", "--print-limit", "20",
-               "--log-file", str(log)] + child_cmd(n, args.device)
+               "--log-file", str(log)] + child_cmd(n, args.device, args.engine)
         rc, secs, out = run_proc(cmd, env, args.timeout, out_dir / f"{n}.{t}.stdout.log")
         text = log.read_text(errors="replace") if log.exists() else ""
         return n, t, rc, secs, parse_log(text + out)
