@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_d6c8c3bc5d"
+NAMESPACE = "_m3_sparse_cpu_4adabbc3c5"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -58,6 +58,7 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     HAVE_GLUON = False
 
 from ._launch import interpreting
+from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
 
@@ -412,9 +413,7 @@ def kvouter_partials_tma(
     cap = index.capacity
     out_dtype = out_dtype or q.dtype
     fp8 = q.dtype == torch.float8_e4m3fn
-    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=q.device)
-    partial_m = torch.empty(cap, group, dtype=torch.float32, device=q.device)
-    partial_l = torch.empty(cap, group, dtype=torch.float32, device=q.device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, q.device)
     if cap == 0:
         return partial_o, partial_m, partial_l
     layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(out_dtype, d)

@@ -391,7 +391,7 @@ def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_d
 )
 def test_tma_engine_says_why_it_does_not_apply(kw, match):
     why = _reason(**kw)
-    assert why is not None and __import__("re").search(match, why), why
+    assert why is not None and re.search(match, why), why
 
 
 def test_tma_engine_errors_name_the_reason():

@@ -56,6 +56,16 @@ def validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, us
         )
 
 
+def empty_partials(capacity: int, group: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """The stage's outputs, uninitialized: partial_o [E, G, D] in ``dtype``, partial_m and
+    partial_l [E, G] fp32 (every implementation writes all of them, unused entries too)."""
+    return (
+        torch.empty(capacity, group, d, dtype=dtype, device=device),
+        torch.empty(capacity, group, dtype=torch.float32, device=device),
+        torch.empty(capacity, group, dtype=torch.float32, device=device),
+    )
+
+
 def kvouter_partials(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -86,10 +96,8 @@ def kvouter_partials(
     group = hq // hkv
     cap = index.capacity
     device = q.device
-    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, device)
     sq, sk, sv = (None, None, None) if scales is None else scales.to(device=device, dtype=torch.float32).unbind()
-    partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
-    partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
     if cap == 0:
         return partial_o, partial_m, partial_l
     _, pos_all = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms
 
+from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
 from .triton_kvouter_index import build_kvouter_index_triton
@@ -464,9 +465,7 @@ def kvouter_partials_triton(
     if engine == "tma":
         raise ValueError(f"engine='tma': {why}")
     q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
-    partial_o = torch.empty(cap, group, d, dtype=out_dtype, device=device)
-    partial_m = torch.empty(cap, group, dtype=torch.float32, device=device)
-    partial_l = torch.empty(cap, group, dtype=torch.float32, device=device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, device)
     if cap == 0:
         return partial_o, partial_m, partial_l
     # An fp8 MMA reduces over at least 32 elements: pad the head dim's tile (masked) to 32.
