@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_4adabbc3c5"
+NAMESPACE = "_m3_sparse_cpu_fb7ddc3f96"
 
 ops = getattr(torch.ops, NAMESPACE)
 

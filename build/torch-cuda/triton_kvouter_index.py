@@ -9,10 +9,9 @@ the sort key is known to be (segment, token) with tokens already in order, so th
 over fixed-size tiles suffice:
 
 1. ``_chunk_rank_kernel``: the tokens of each sequence are cut into chunks of ``C``; per
-   (chunk, kv head) program every entry gets its rank among the chunk's earlier tokens that
-   chose the same block, and the first of them writes the chunk's count for that block.
-   Ranks come from comparing against the chunk's rows one at a time, so no program reads
-   what another thread of it wrote.
+   (chunk, kv head) program the chunk's entries are sorted by (block, token), so every entry's
+   rank among the chunk's earlier tokens that chose the same block is its distance from the
+   first of them, and the last of them writes the chunk's count for that block.
 2. ``_chunk_scan_kernel``: per (kv head, sequence, block range) an exclusive scan of the
    counts over the sequence's chunks (in place, ``SCAN_CHUNKS`` chunks per step) and the
    segment totals.
@@ -34,19 +33,21 @@ from ._launch import contiguous, next_pow2
 from ._validate import check_positive_int
 from .kvouter_index import KVOuterIndex, validate_build
 
-# Entries per chunk tile (tokens x padded top-k); the rank pass does C * topk compares per
-# entry, the count matrix has (Tq / C + B) * Hkv * max_blocks int32 cells.
+# Entries per chunk tile (tokens x padded top-k); the rank pass sorts them, the count matrix
+# has (Tq / C + B) * Hkv * max_blocks int32 cells.
 CHUNK_ENTRIES = 512
 # Cells of the count matrix before the chunks grow (256 MiB of int32).
 MAX_COUNT_CELLS = 1 << 26
 # The chunk tile stays in registers: it grows to at most this many entries (256 tokens at
 # top-16, enough for a 512K-token prompt over a 512K-token table within MAX_COUNT_CELLS).
 MAX_CHUNK_ENTRIES = 4096
-SCAN_BLOCKS = 64  # blocks per program of the scan pass
-SCAN_CHUNKS = 32  # chunks per step of the scan pass
+SCAN_BLOCKS = 32  # blocks per program of the scan pass
+SCAN_CHUNKS = 64  # chunks per step of the scan pass
 # The rank and scatter passes unroll their loops over a row's slots up to this (padded) top-k;
 # wider rows loop at run time (a full unroll of hundreds of slots takes minutes to compile).
 UNROLL_TOPK = 64
+# Sort keys (block, token, slot) are int32 below this, int64 past it.
+KEY32_LIMIT = 2**31 - 1
 
 
 @triton.jit
@@ -101,6 +102,11 @@ def _chunk_selection(
 
 
 @triton.jit
+def _max_op(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _chunk_rank_kernel(
     sel_ptr,
     cu_ptr,
@@ -117,39 +123,42 @@ def _chunk_rank_kernel(
     TK: tl.constexpr,
     BB: tl.constexpr,
     UNROLL: tl.constexpr,
+    KEY64: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     g = tl.program_id(1)
     seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
     tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
+    N: tl.constexpr = C * TK
     offs_t = tl.arange(0, C)
     offs_r = tl.arange(0, TK)
+    # One sort of the chunk's entries by (block, token) replaces comparing every entry with
+    # every row of the chunk; the slot rides in the low bits so each sorted entry knows where
+    # its rank goes. Dead entries sort last.
+    if KEY64:
+        b_key = (b_sel.to(tl.int64) * C + offs_t[:, None]) * TK + offs_r[None, :]  # [C, TK]
+        dead = 9223372036854775807
+    else:
+        b_key = (b_sel * C + offs_t[:, None]) * TK + offs_r[None, :]  # [C, TK]
+        dead = 2147483647
+    s_key = tl.sort(tl.reshape(tl.where(b_live, b_key, dead), [N]))  # [N]
+    live = s_key < dead
+    s_blk = (s_key // N).to(tl.int32)  # [N]
+    s_tok = ((s_key // TK) % C).to(tl.int32)
+    s_slot = (s_key % TK).to(tl.int32)
+    idx = tl.arange(0, N)
+    prev_blk = tl.gather(s_blk, tl.maximum(idx - 1, 0), 0)
+    next_blk = tl.gather(s_blk, tl.minimum(idx + 1, N - 1), 0)
+    # A block's entries are adjacent after the sort: rank = distance from the first of them.
+    run_start = tl.associative_scan(tl.where((idx == 0) | (prev_blk != s_blk), idx, 0), 0, _max_op)
+    rank = idx - run_start
+    last = live & ((idx == N - 1) | (next_blk != s_blk))
 
-    b_before = tl.zeros([C, TK], dtype=tl.int32)  # earlier tokens of the chunk with the same id
-    b_total = tl.zeros([C, TK], dtype=tl.int32)  # all tokens of the chunk with the same id
-    for j in range(0, tl.maximum(tok_end - tok0, 0)):
-        p_row = sel_ptr + (tok0 + j).to(tl.int64) * s_t + g * s_g
-        b_hit = tl.zeros([C, TK], dtype=tl.int32)
-        # A row counts once per id whatever its repeats: the hit is an any() over its slots.
-        # Unrolled (up to UNROLL_TOPK slots), so that the row's loads are all in flight
-        # before the first compare.
-        if UNROLL:
-            for r2 in tl.static_range(TK):
-                # Slots past topk (TK is topk rounded up) reread the last one: a repeat, no new hit.
-                v = tl.load(p_row + tl.minimum(r2, topk - 1) * s_r)
-                b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
-        else:
-            for r2 in range(0, topk):
-                v = tl.load(p_row + r2 * s_r)
-                b_hit = tl.maximum(b_hit, ((b_sel == v) & (v >= 0)).to(tl.int32))
-        b_total += b_hit
-        b_before += tl.where(offs_t[:, None] > j, b_hit, 0)
-
-    p_slot = slot_ptr + (tok[:, None].to(tl.int64) * hkv + g) * topk + offs_r[None, :]  # [C, TK]
-    tl.store(p_slot, b_before, mask=b_live)
-    # The chunk's first token holding an id is its one writer of that block's count.
-    p_cnt = cnt_ptr + (chunk.to(tl.int64) * hkv + g) * max_blocks + b_sel  # [C, TK]
-    tl.store(p_cnt, b_total, mask=b_live & (b_before == 0))
+    p_slot = slot_ptr + ((tok0 + s_tok).to(tl.int64) * hkv + g) * topk + s_slot  # [N]
+    tl.store(p_slot, rank, mask=live)
+    # The chunk's last entry of a block is the one writer of that block's count.
+    p_cnt = cnt_ptr + (chunk.to(tl.int64) * hkv + g) * max_blocks + s_blk  # [N]
+    tl.store(p_cnt, rank + 1, mask=last)
 
 
 @triton.jit
@@ -300,7 +309,7 @@ def build_kvouter_index_triton(
     unroll = tk <= UNROLL_TOPK
     _chunk_rank_kernel[(max_chunks, hkv)](
         selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb,
-        UNROLL=unroll, num_warps=4,
+        UNROLL=unroll, KEY64=max_blocks * chunk * tk >= KEY32_LIMIT, num_warps=4,
     )  # fmt: skip
     blk = min(SCAN_BLOCKS, next_pow2(max_blocks))
     _chunk_scan_kernel[(triton.cdiv(max_blocks, blk), hkv, batch)](

@@ -47,8 +47,10 @@ def build(kernel, constexprs, pointers, num_warps=4, num_stages=2):
 
 I32 = "*i32"
 
-def index_builder(k, topk, chunk=None):
+def index_builder(k, topk, chunk=None, key64=False):
     cx = dict(C=chunk or 512 // topk, TK=topk, BB=2, UNROLL=topk <= tidx.UNROLL_TOPK)
+    if k is tidx._chunk_rank_kernel:
+        cx["KEY64"] = key64
     ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
             "seg_off_ptr": I32, "e_tok_ptr": I32, "e_rank_ptr": I32, "e_seg_ptr": I32}
     if k is tidx._chunk_scan_kernel:
@@ -127,6 +129,7 @@ cases = {
     "index rank topk32": lambda: index_builder(tidx._chunk_rank_kernel, 32),
     "index rank, largest chunk": lambda: index_builder(tidx._chunk_rank_kernel, 16, tidx.MAX_CHUNK_ENTRIES // 16),
     "index rank, slots looped at run time": lambda: index_builder(tidx._chunk_rank_kernel, 128),
+    "index rank, int64 sort keys": lambda: index_builder(tidx._chunk_rank_kernel, 16, key64=True),
     "index scan": lambda: index_builder(tidx._chunk_scan_kernel, 16),
     "index scatter": lambda: index_builder(tidx._scatter_kernel, 16),
     "index scatter, slots looped at run time": lambda: index_builder(tidx._scatter_kernel, 128),

@@ -90,7 +90,7 @@ CASES = [
     ([0, 40, 0, 17, 0], 2, 5, 9, 8),  # empty sequences first, between and last
     ([33], 1, 32, 64, 16),  # topk 32, several chunks, a partial last one
     ([9, 16, 1], 4, 16, 12, 1),  # one token per chunk
-    ([70, 3], 2, 2, 9, 1),  # 70 chunks in a sequence: several steps of the scan pass
+    ([70, 3], 2, 2, 9, 1),  # 70 chunks in a sequence: more than one step of the scan pass
     ([9, 4], 2, 80, 50, 4),  # topk past UNROLL_TOPK (slot loops at run time), not a power of two
 ]
 
@@ -109,6 +109,15 @@ def test_int64_and_strided_selection():
     sel = base.transpose(1, 2)  # [Tq, Hkv, topk] with non-unit inner strides
     assert not sel.is_contiguous()
     check(sel, cu_of(q_lens, torch.int64), max_blocks, chunk_tokens=4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int64_sort_keys(seed, monkeypatch):
+    # Sort keys switch to int64 when max_blocks * chunk entries passes int32; lower the bound
+    # so that small shapes take that path too.
+    monkeypatch.setattr(tidx, "KEY32_LIMIT", 1)
+    q_lens, hkv, topk, max_blocks = [21, 5], 2, 6, 11
+    check(random_selection(gen(seed), sum(q_lens), hkv, topk, max_blocks), cu_of(q_lens), max_blocks, 4)
 
 
 def test_hot_block_and_empty_rows():
