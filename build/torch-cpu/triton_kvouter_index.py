@@ -143,7 +143,7 @@ def _chunk_rank_kernel(
         dead = 2147483647
     s_key = tl.sort(tl.reshape(tl.where(b_live, b_key, dead), [N]))  # [N]
     live = s_key < dead
-    s_blk = (s_key // N).to(tl.int32)  # [N]
+    s_blk = s_key // N  # [N], in the key's type: dead entries' quotient is no block id
     s_tok = ((s_key // TK) % C).to(tl.int32)
     s_slot = (s_key % TK).to(tl.int32)
     idx = tl.arange(0, N)

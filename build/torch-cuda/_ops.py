@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_fb7ddc3f96"
+NAMESPACE = "_m3_sparse_cuda_88071a4f5e"
 
 ops = getattr(torch.ops, NAMESPACE)
 
