@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_88071a4f5e"
+NAMESPACE = "_m3_sparse_cpu_f0293d570c"
 
 ops = getattr(torch.ops, NAMESPACE)
 

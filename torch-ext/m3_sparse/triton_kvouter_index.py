@@ -9,7 +9,8 @@ the sort key is known to be (segment, token) with tokens already in order, so th
 over fixed-size tiles suffice:
 
 1. ``_chunk_rank_kernel``: the tokens of each sequence are cut into chunks of ``C``; per
-   (chunk, kv head) program the chunk's entries are sorted by (block, token), so every entry's
+   (chunk, kv head) program the chunk's entries are sorted by (block, token) (a bitonic
+   network in registers and shared memory), so every entry's
    rank among the chunk's earlier tokens that chose the same block is its distance from the
    first of them, and the last of them writes the chunk's count for that block.
 2. ``_chunk_scan_kernel``: per (kv head, sequence, block range) an exclusive scan of the
@@ -107,6 +108,23 @@ def _max_op(a, b):
 
 
 @triton.jit
+def _bitonic_sort(x, N: tl.constexpr, LOG_N: tl.constexpr):
+    """Ascending sort of a [N] tensor: a bitonic network whose compare-and-swap steps fetch the
+    partner with ``tl.gather``. (Not ``tl.sort``: the interpreter runs its reductions one
+    element at a time, which made the CPU tests of everything that builds an index several
+    times slower.)"""
+    idx = tl.arange(0, N)
+    for s in tl.static_range(1, LOG_N + 1):  # bitonic runs of 2^s
+        for jj in tl.static_range(s):
+            j = s - 1 - jj  # partner distance 2^j
+            partner = tl.gather(x, idx ^ (1 << j), 0)  # [N]
+            ascending = ((idx >> s) & 1) == 0
+            lower = ((idx >> j) & 1) == 0
+            x = tl.where(lower == ascending, tl.minimum(x, partner), tl.maximum(x, partner))
+    return x
+
+
+@triton.jit
 def _chunk_rank_kernel(
     sel_ptr,
     cu_ptr,
@@ -130,6 +148,7 @@ def _chunk_rank_kernel(
     seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
     tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
     N: tl.constexpr = C * TK
+    LOG_N: tl.constexpr = N.bit_length() - 1
     offs_t = tl.arange(0, C)
     offs_r = tl.arange(0, TK)
     # One sort of the chunk's entries by (block, token) replaces comparing every entry with
@@ -141,7 +160,7 @@ def _chunk_rank_kernel(
     else:
         b_key = (b_sel * C + offs_t[:, None]) * TK + offs_r[None, :]  # [C, TK]
         dead = 2147483647
-    s_key = tl.sort(tl.reshape(tl.where(b_live, b_key, dead), [N]))  # [N]
+    s_key = _bitonic_sort(tl.reshape(tl.where(b_live, b_key, dead), [N]), N, LOG_N)  # [N]
     live = s_key < dead
     s_blk = s_key // N  # [N], in the key's type: dead entries' quotient is no block id
     s_tok = ((s_key // TK) % C).to(tl.int32)
