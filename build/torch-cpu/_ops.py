@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_f0293d570c"
+NAMESPACE = "_m3_sparse_cpu_5b9dc555cc"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms
-
 from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule

@@ -10,9 +10,9 @@ over fixed-size tiles suffice:
 
 1. ``_chunk_rank_kernel``: the tokens of each sequence are cut into chunks of ``C``; per
    (chunk, kv head) program the chunk's entries are sorted by (block, token) (a bitonic
-   network in registers and shared memory), so every entry's
-   rank among the chunk's earlier tokens that chose the same block is its distance from the
-   first of them, and the last of them writes the chunk's count for that block.
+   network), so every entry's rank among the chunk's earlier tokens that chose the same
+   block is its distance from the first of them, and the last of them writes the chunk's
+   count for that block.
 2. ``_chunk_scan_kernel``: per (kv head, sequence, block range) an exclusive scan of the
    counts over the sequence's chunks (in place, ``SCAN_CHUNKS`` chunks per step) and the
    segment totals.
@@ -146,7 +146,7 @@ def _chunk_rank_kernel(
     chunk = tl.program_id(0)
     g = tl.program_id(1)
     seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
-    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
+    _, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
     N: tl.constexpr = C * TK
     LOG_N: tl.constexpr = N.bit_length() - 1
     offs_t = tl.arange(0, C)

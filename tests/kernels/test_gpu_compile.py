@@ -51,7 +51,7 @@ def index_builder(k, topk, chunk=None, key64=False):
     cx = dict(C=chunk or 512 // topk, TK=topk, BB=2, UNROLL=topk <= tidx.UNROLL_TOPK)
     if k is tidx._chunk_rank_kernel:
         cx["KEY64"] = key64
-    ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
+    ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
             "seg_off_ptr": I32, "e_tok_ptr": I32, "e_rank_ptr": I32, "e_seg_ptr": I32}
     if k is tidx._chunk_scan_kernel:
         cx = dict(C=512 // topk, BB=2, BLK=tidx.SCAN_BLOCKS, U=tidx.SCAN_CHUNKS)
