@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_5b9dc555cc"
+NAMESPACE = "_m3_sparse_cpu_64ece99d4b"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -244,6 +244,7 @@ COMBINE_CASES = [
     (2, 8, 16, 8, torch.float16),
     (1, 16, 16, 32, torch.bfloat16),
     (3, 2, 3, 16, torch.float32),
+    (2, 12, 5, 16, torch.float32),  # one token per program, padded head rows
 ]
 
 
