@@ -69,13 +69,13 @@ def partials(dtype="bf16", kv="bf16", po="bf16", **kw):
 
 def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    cx = dict(G=16, GP=16, TM=4, D=128, BD=128, BN=64, PS=64, CAUSAL=True, RETURN_LSE=True, SEARCH_STEPS=5,
-              PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out])
+    cx = dict(G=16, GP=16, TM=tda.BLOCK_M // 16, D=128, BD=128, BN=tda.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
+              SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out])
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr")}
     ptrs.update(q_ptr="*" + dtype, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32")
     ptrs.update(o_ptr="*" + out if final else "*fp32", lse_ptr="*fp32", l_ptr="*" + out if final else "*fp32")
-    return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=8 if cx["TM"] * cx["GP"] >= 128 else 4)
+    return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=tda.default_num_warps(cx["TM"] * cx["GP"], cx["BD"]))
 
 def index_topk(q="bf16", k="bf16", final=True, **kw):
     cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=tix.PREFILL_BM,
