@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_60a14991b1"
+NAMESPACE = "_m3_sparse_cpu_6708fffce7"
 
 ops = getattr(torch.ops, NAMESPACE)
 
