@@ -47,7 +47,10 @@ LOG2E = 1.4426950408889634
 # decode batch gets fewer tokens per tile (see _tile_tokens). 128 x 64 tiles with 4 warps
 # and 2 stages: 20% faster than 64 x 64 on M3's prefill (G 16, D 128, H200; 8 warps, 3
 # stages, 32- or 128-key tiles all lost; docs/PERF.md, "Dense paged attention").
+# fp32 q takes the FMA dot, whose 128-row tile spills ten times more than the 64-row
+# one on sm_90 (ptxas: 124 KB against 12 KB of spill stores); it keeps 64 rows.
 BLOCK_M = 128
+BLOCK_M_FP32 = 64
 BLOCK_N = 64
 # Key splits: enough (tile, kv head, split) programs for about `programs_per_sm` per SM,
 # each with at least `min_key_tiles` key tiles of the block table's capacity.
@@ -245,6 +248,10 @@ def default_num_warps(rows: int, block_d: int) -> int:
     return 8 if rows * block_d > 128 * 128 else 4
 
 
+def default_block_m(q_dtype: torch.dtype) -> int:
+    return BLOCK_M_FP32 if q_dtype == torch.float32 else BLOCK_M
+
+
 def _tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
     """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
     and at least 16 rows (the smallest MMA M)."""
@@ -319,7 +326,7 @@ def dense_paged_attention_triton(
     if num_tokens == 0 or batch <= 0:
         return out, lse
     tm = _tile_tokens(gp, num_tokens if max_seqlen_q is None else min(int(max_seqlen_q), num_tokens),
-                      BLOCK_M if block_m is None else int(block_m))
+                      default_block_m(q.dtype) if block_m is None else int(block_m))
     rows = tm * gp
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if q_fp8 else 16, next_pow2(d))
