@@ -47,8 +47,8 @@ LOG2E = 1.4426950408889634
 # decode batch gets fewer tokens per tile (see _tile_tokens). 128 x 64 tiles with 4 warps
 # and 2 stages: 20% faster than 64 x 64 on M3's prefill (G 16, D 128, H200; 8 warps, 3
 # stages, 32- or 128-key tiles all lost; docs/PERF.md, "Dense paged attention").
-# fp32 q takes the FMA dot, whose 128-row tile spills ten times more than the 64-row
-# one on sm_90 (ptxas: 124 KB against 12 KB of spill stores); it keeps 64 rows.
+# fp32 q (the FMA dot, spilling heavily at either size: ptxas for sm_90 puts 94 KB of
+# spill stores in the 128-row tile, 54 KB in the 64-row one) was not timed; it keeps 64.
 BLOCK_M = 128
 BLOCK_M_FP32 = 64
 BLOCK_N = 64
