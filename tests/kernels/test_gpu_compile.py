@@ -70,7 +70,7 @@ def partials(dtype="bf16", kv="bf16", po="bf16", **kw):
 def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     # The launcher's prefill tile for q's dtype.
-    block_m = tda.BLOCK_M_FP32 if dtype == "fp32" else tda.BLOCK_M
+    block_m = tda.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
     cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=tda.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
               SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out])
     cx.update(kw)
