@@ -5,7 +5,8 @@ decode, so the automatic choice on CUDA rests on a measurement.
     python3 benchmarks/bench_dense.py
     python3 benchmarks/bench_dense.py --prefill 8192,32768 --decode 32768
 
-Workload: Hq 64, Hkv 4, D 128, bf16, page 64. Prefill: one causal sequence of N tokens.
+Workload: Hq 64, Hkv 4, D 128, bf16, page 64. The Triton kernel runs twice: as launched by
+default (each key tile one TMA box of its page) and with gathered pointer loads. Prefill: one causal sequence of N tokens.
 Decode: batch 32, one new token each, context C. Floors: FLOPs / 700 TFLOP/s (prefill,
 causal FLOPs 2 * 2 * D * Hq * N^2 / 2) and K/V bytes / 4.2 TB/s (decode). Times are
 medians (triton.testing.do_bench; one warm-up and 3 event timings above 100 ms). Each
@@ -102,6 +103,12 @@ def run(kind, batch, q_len, ctx, torch_max, splits=()):
     tri = lambda: dense_paged_attention_triton(p["q"], p["k"], p["v"], p["bt"], max_seqlen_q=q_len, **kw)  # noqa: E731
     row["triton_err"] = check(p, tri()[0])
     row["triton_ms"] = timed(tri, slow)
+    # The same kernel with gathered pointer loads instead of one TMA box per key tile.
+    gat = lambda: dense_paged_attention_triton(  # noqa: E731
+        p["q"], p["k"], p["v"], p["bt"], max_seqlen_q=q_len, use_tma=False, **kw
+    )
+    row["gather_err"] = check(p, gat()[0])
+    row["gather_ms"] = timed(gat, slow)
     tm = _tile_tokens(HQ // HKV, q_len, BLOCK_M)  # the launcher's query tile (G = 16 is a power of two)
     row["splits"] = default_num_splits(batch * q_len, batch, HKV, tm, p["bt"].shape[1] * PAGE, p["q"].device)
     for s in splits:  # the key-split sweep behind SPLIT_CONFIG
@@ -147,12 +154,13 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_dense.json").write_text(json.dumps(rows, indent=1))
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    print("\n| case | floor ms | Triton ms (splits) | torch ms | cuDNN ms | flash ms | Triton err |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | floor ms | Triton ms (splits) | Triton, gathered loads ms | torch ms | cuDNN ms | flash ms "
+          "| Triton err |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         case = f"{r['kind']} {r['batch']}x{r['ctx']}"
-        print(f"| {case} | {f(r['floor_ms'])} | {f(r['triton_ms'])} ({r['splits']}) | {f(r.get('torch_ms'))} | "
-              f"{f(r.get('cudnn_ms'))} | {f(r.get('flash_ms'))} | {r['triton_err']:.1e} |")
+        print(f"| {case} | {f(r['floor_ms'])} | {f(r['triton_ms'])} ({r['splits']}) | {f(r['gather_ms'])} | "
+              f"{f(r.get('torch_ms'))} | {f(r.get('cudnn_ms'))} | {f(r.get('flash_ms'))} | {r['triton_err']:.1e} |")
     if splits:
         print("\n| decode case | " + " | ".join(f"S={s} ms" for s in splits) + " |")
         print("|---|" + "---|" * len(splits))

@@ -62,11 +62,20 @@ def _attend_key_tile(
     acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
     BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    WIDEN_K: tl.constexpr, PV_DT: tl.constexpr,
+    WIDEN_K: tl.constexpr, PV_DT: tl.constexpr, k_desc, v_desc, kv_head, HKV: tl.constexpr, TMA: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BN)."""
     k_pos = start_n + offs_n
-    if MASK:
+    if TMA:
+        # The tile lies in one page (PS % BN == 0) and start_n < hi, so its table entry is real.
+        page = tl.load(bt_row_ptr + start_n // PS)
+        row = (page * HKV + kv_head) * PS + start_n % PS
+        b_k = k_desc.load([row, 0])  # [BN, BD]
+        b_v = v_desc.load([row, 0])  # [BN, BD]
+        if MASK:
+            # Slots at or past `hi` in the tile's page may hold anything (NaN too): 0 * NaN.
+            b_v = tl.where((k_pos < hi)[:, None], b_v, 0.0)
+    elif MASK:
         # Keys at or past `hi` may sit behind table entries that hold garbage.
         k_ok = k_pos < hi
         page = tl.load(bt_row_ptr + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
@@ -74,11 +83,12 @@ def _attend_key_tile(
     else:
         page = tl.load(bt_row_ptr + k_pos // PS).to(tl.int64)
         kv_mask = d_ok[None, :]
-    slot = (k_pos % PS).to(tl.int64)
-    p_k = k_ptr + (page * stride_kp + kv_head_off_k + slot * stride_ks)[:, None] + offs_d[None, :]
-    p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
-    b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BN, BD]
-    b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
+    if not TMA:
+        slot = (k_pos % PS).to(tl.int64)
+        p_k = k_ptr + (page * stride_kp + kv_head_off_k + slot * stride_ks)[:, None] + offs_d[None, :]
+        p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
+        b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BN, BD]
+        b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
     if UPCAST:
         b_k = b_k.to(tl.float32)
     elif WIDEN_K:
@@ -143,6 +153,10 @@ def _dense_paged_attn_kernel(
     KV_FP8: tl.constexpr,
     WIDEN_K: tl.constexpr,
     PV_DT: tl.constexpr,
+    k_desc,
+    v_desc,
+    HKV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     BM: tl.constexpr = TM * GP
     pid = tl.program_id(0)
@@ -213,13 +227,13 @@ def _dense_paged_attn_kernel(
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, False, PREC, UPCAST, WIDEN_K, PV_DT,
+            BN, PS, False, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
         )
     for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, True, PREC, UPCAST, WIDEN_K, PV_DT,
+            BN, PS, True, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
         )
 
     if KV_FP8:
@@ -275,6 +289,28 @@ def default_num_splits(
     return max(1, min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1)))
 
 
+def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int) -> str | None:
+    """Why the key tiles cannot be TMA boxes of the caches seen as ``[rows, D]``
+    (None: they can). A box must lie in one page, cover the whole head dim and start on
+    a 16-byte aligned, int32-addressable row; the copy engine exists from sm_90 on."""
+    pages, hkv, page_size, d = k_cache.shape
+    if k_cache.device.type == "cuda" and not interpreting():
+        major, _ = torch.cuda.get_device_capability(k_cache.device)
+        if major < 9:
+            return f"TMA needs compute capability 9.0 or newer, this device has {major}.x"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache and v_cache must be contiguous"
+    if page_size % bn:
+        return f"page_size ({page_size}) must be a multiple of block_n ({bn})"
+    if bd != d or bn > 256 or d > 256:
+        return f"head dim ({d}) must be a power of two and, like block_n ({bn}), at most 256"
+    if (d * k_cache.element_size()) % 16 or any(t.data_ptr() % 16 for t in (k_cache, v_cache)):
+        return "cache rows must start on 16-byte boundaries"
+    if pages * hkv * page_size >= 2**31:
+        return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
+    return None
+
+
 def dense_paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -294,6 +330,7 @@ def dense_paged_attention_triton(
     num_splits: int | None = None,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    use_tma: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [Tq, Hq, D] in ``out_dtype`` (default q's), lse [Hq, Tq] fp32 or None).
     fp8 inputs need ``scales`` (fp32 [3]: q, k, v; ``_validate.check_quant``).
@@ -302,7 +339,9 @@ def dense_paged_attention_triton(
     tile for decode-like batches; results never depend on it. ``block_n`` must be a
     power of two >= 16; it need not divide ``page_size``. ``num_splits`` (1..MAX_SPLITS of
     the decode kernel) splits every tile's keys; the default comes from the shapes.
-    Launch choices never change results beyond rounding.
+    ``use_tma``: load each key tile as one TMA box of its page (None: whenever
+    ``_tma_unusable`` finds no obstacle; True: required, a ValueError says why not; False:
+    gathered pointer loads). Launch choices never change results beyond rounding.
     """
     block_tables, cu_seqlens_q, used_kv_lens = contiguous(block_tables, cu_seqlens_q, used_kv_lens)
     num_tokens, hq, d = q.shape
@@ -352,6 +391,17 @@ def dense_paged_attention_triton(
         o_buf = torch.empty(ws_rows, d, dtype=torch.float32, device=device)
         m_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
         l_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
+    why_not = _tma_unusable(k_cache, v_cache, bn, bd)
+    if use_tma and why_not:
+        raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
+    tma = why_not is None and use_tma is not False
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc = TensorDescriptor.from_tensor(k_cache.view(-1, d), [bn, bd])
+        v_desc = TensorDescriptor.from_tensor(v_cache.view(-1, d), [bn, bd])
+    else:
+        k_desc = v_desc = k_cache
     grid = (num_tokens // tm + batch, hkv, num_splits)
     _dense_paged_attn_kernel[grid](
         q,
@@ -395,6 +445,10 @@ def dense_paged_attention_triton(
         KV_FP8=kv_fp8,
         WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
         PV_DT=tl_dtype(out_dtype),
+        k_desc=k_desc,
+        v_desc=v_desc,
+        HKV=hkv,
+        TMA=tma,
         num_warps=num_warps,
         num_stages=num_stages,
     )

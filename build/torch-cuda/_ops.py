@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_d537f4ccb1"
+NAMESPACE = "_m3_sparse_cuda_caf7d1046f"
 
 ops = getattr(torch.ops, NAMESPACE)
 

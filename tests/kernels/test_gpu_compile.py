@@ -41,7 +41,7 @@ def build(kernel, constexprs, pointers, num_warps=4, num_stages=2):
     if missing:
         raise ValueError(f"constexprs not given: {missing}")
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in FLOATS else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if pointers.get(n, "").startswith("*")}
     src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -72,10 +72,14 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     # The launcher's prefill tile for q's dtype.
     block_m = tda.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
     cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=tda.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
-              SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out])
+              SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out],
+              HKV=4, TMA=True)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr")}
     ptrs.update(q_ptr="*" + dtype, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32")
+    # K/V tiles as TMA boxes of the caches seen as [rows, D]; without, the launcher passes the caches.
+    box = f"tensordesc<{kv}[{cx['BN']}, {cx['BD']}]>" if cx["TMA"] else "*" + kv
+    ptrs.update(k_desc=box, v_desc=box)
     ptrs.update(o_ptr="*" + out if final else "*fp32", lse_ptr="*fp32", l_ptr="*" + out if final else "*fp32")
     return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=tda.default_num_warps(cx["TM"] * cx["GP"], cx["BD"]))
 
@@ -151,6 +155,7 @@ cases = {
                              {"po_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
                               "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
     "dense prefill": lambda: dense(),
+    "dense prefill, gathered K/V": lambda: dense(TMA=False),
     "dense decode split": lambda: dense(TM=1, final=False),
     "dense fp8 K/V split": lambda: dense("bf16", F8, TM=1, final=False, KV_FP8=True, WIDEN_K=True),
     "dense fp8 q/K/V": lambda: dense(F8, F8, Q_FP8=True, KV_FP8=True),

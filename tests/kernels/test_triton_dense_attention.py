@@ -222,3 +222,45 @@ def test_m3_decode_key_splits_agree():
     for name, o, l in (("default splits", out_s, lse_s), ("one split", out_1, lse_1)):
         assert_close(f"{name} vs torch", t_o.cpu(), o, 2 * TOLERANCES[torch.bfloat16])
         assert_close(f"{name} lse vs torch", t_lse.cpu(), l, LSE_TOL)
+
+
+# TMA boxes: a key tile comes in as one box of its page, unwritten slots included. Those
+# hold NaN here, so a tile past a row's last key must not let them reach the output.
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("page_size,block_n,num_splits", [(64, 64, 1), (64, 16, 1), (32, 32, 3)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tma_boxes_with_nan_slots(use_tma, page_size, block_n, num_splits, causal):
+    g = gen(page_size + block_n + num_splits + int(causal))
+    batch = make_batch(g, RAGGED + [(150, 40)], page_size, pad=-1)
+    q = randn(g, batch.num_tokens, 8, 32, dtype=torch.bfloat16)
+    k = batch.kv_cache(g, 2, 32, torch.bfloat16, garbage=float("nan"))
+    v = batch.kv_cache(g, 2, 32, torch.bfloat16, garbage=float("nan"))
+    assert tda._tma_unusable(k, v, block_n, 32) is None
+    out, lse = _run(batch, q, k, v, causal, block_n=block_n, num_splits=num_splits, use_tma=use_tma)
+    assert not out.isnan().any()
+    _check(batch, q, k, v, causal, torch.bfloat16, out, lse, against_torch=False)
+
+
+def test_tma_at_m3_shapes():
+    # The default launch takes the TMA path for M3's caches (pages of 64 or 128, D 128).
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for page_size in (64, 128):
+            cache = torch.empty(5, 4, page_size, 128, dtype=dtype)
+            assert tda._tma_unusable(cache, cache, tda.BLOCK_N, 128) is None
+
+
+def test_tma_required_but_unusable():
+    batch, q, k, v = _problem(4, [(40, 5), (9, 9)], 16, 4, 2, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"use_tma=True.*page_size \(16\) must be a multiple of block_n \(64\)"):
+        _run(batch, q, k, v, True, use_tma=True)
+    with pytest.raises(ValueError, match=r"head dim \(24\) must be a power of two"):
+        b24, q24, k24, v24 = _problem(4, [(40, 5)], 16, 4, 2, 24, torch.bfloat16)
+        _run(b24, q24, k24, v24, True, block_n=16, use_tma=True)
+    # [pages, 4, ps, D] on the device (a copy to it would make a slice contiguous): its
+    # first two heads are a strided cache.
+    wide = torch.cat([k, k], dim=1).to(DEVICE)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        _run(batch, q, wide[:, :2], v, True, block_n=16, use_tma=True)
+    # The same strided cache without the demand: gathered loads, and a correct result.
+    out, lse = _run(batch, q, wide[:, :2], v, True, block_n=16)
+    _check(batch, q, k, v, True, torch.bfloat16, out, lse)
