@@ -12,7 +12,13 @@ One program per (query tile of one sequence, kv head):
   sharing kv head ``g`` read each K/V tile once;
 * keys stream in tiles of BLOCK_N through the block table, one table entry per key,
   so BLOCK_N may be smaller than a page (several tiles per page) or larger (one tile
-  spans several pages) without a special case;
+  spans several pages) without a special case. Where a key tile lies inside one page
+  (``page_size % BLOCK_N == 0``, contiguous caches, D a power of two; sm_90 and newer),
+  it is instead one TMA box of the caches seen as ``[pages * Hkv * page_size, D]``: the
+  copy engine moves the whole tile on one table read, which took M3's prefill at 128K
+  from 1.27x to 1.07x of cuDNN's time on the H200 (docs/PERF.md, "Dense paged
+  attention"). A box also brings in a page's slots past the sequence end, which may
+  hold anything: masked scores drop their keys and their V rows are zeroed;
 * online softmax in base 2, fp32 accumulation; only key tiles past the tile's
   smallest visible limit pay for the per-row mask.
 
@@ -308,6 +314,10 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
         return "cache rows must start on 16-byte boundaries"
     if pages * hkv * page_size >= 2**31:
         return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
     return None
 
 
