@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_9a9d9cac89"
+NAMESPACE = "_m3_sparse_cuda_080b5aacef"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -16,7 +16,7 @@ One program per (query tile of one sequence, kv head):
   (``page_size % BLOCK_N == 0``, contiguous caches, D a power of two; sm_90 and newer),
   it is instead one TMA box of the caches seen as ``[pages * Hkv * page_size, D]``: the
   copy engine moves the whole tile on one table read, which took M3's prefill at 128K
-  from 1.27x to 1.07x of cuDNN's time on the H200 (docs/PERF.md, "Dense paged
+  from 1.28x to 1.07x of cuDNN's time on the H200 (docs/PERF.md, "Dense paged
   attention"). A box also brings in a page's slots past the sequence end, which may
   hold anything: masked scores drop their keys and their V rows are zeroed;
 * online softmax in base 2, fp32 accumulation; only key tiles past the tile's
@@ -312,6 +312,8 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
         return f"head dim ({d}) must be a power of two and, like block_n ({bn}), at most 256"
     if (d * k_cache.element_size()) % 16 or any(t.data_ptr() % 16 for t in (k_cache, v_cache)):
         return "cache rows must start on 16-byte boundaries"
+    if pages * hkv * page_size == 0:
+        return "an empty page pool"
     if pages * hkv * page_size >= 2**31:
         return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
     try:

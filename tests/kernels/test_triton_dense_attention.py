@@ -264,3 +264,12 @@ def test_tma_required_but_unusable():
     # The same strided cache without the demand: gathered loads, and a correct result.
     out, lse = _run(batch, q, wide[:, :2], v, True, block_n=16)
     _check(batch, q, k, v, True, torch.bfloat16, out, lse)
+
+
+def test_tma_reasons():
+    cache = torch.empty(0, 2, 64, 32, dtype=torch.bfloat16)
+    assert tda._tma_unusable(cache, cache, 64, 32) == "an empty page pool"
+    cache = torch.empty(3, 2, 64, 32, dtype=torch.bfloat16)
+    assert "block_n" in tda._tma_unusable(cache, cache, 128, 32)
+    assert "head dim" in tda._tma_unusable(cache, cache, 64, 64)
+    assert tda._tma_unusable(cache, cache, 32, 32) is None
