@@ -146,21 +146,33 @@ def bench(fn, rep_ms=200):
     return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
-def bench_slow(fn, reps=3):
-    """For calls of 100s of ms: one warm-up, then the median of a few event timings."""
+def _event_timings(fn, reps, lead_cycles=0):
+    """Median event timing of ``fn`` after a 256 MB L2 flush (one warm-up first); with
+    ``lead_cycles`` a spin kernel of that many cycles runs between the flush and the start
+    event, so the host issues the call while the GPU is busy. Also returns the longest
+    host time of one call."""
     fn()
     torch.cuda.synchronize()
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    times = []
+    times, host_ms = [], 0.0
     for _ in range(reps):
         cache.zero_()
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         a.record()
         fn()
         b.record()
+        host_ms = max(host_ms, (time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], host_ms
+
+
+def bench_slow(fn, reps=3):
+    """For calls of 100s of ms: one warm-up, then the median of a few event timings."""
+    return _event_timings(fn, reps)[0]
 
 
 _SPIN: dict = {}
@@ -180,30 +192,15 @@ def _spin_cycles(ms: float) -> int:
 
 def bench_host_ahead(fn, reps=5, lead_ms=50.0):
     """GPU time of one call whose launches the host has already issued, as inside a model's
-    forward pass, where the host runs ahead of the GPU: after the L2 flush a spin kernel holds
-    the GPU for ``lead_ms`` while the host enqueues the call, and the start event waits behind
-    the spin. ``bench_slow`` and ``do_bench`` instead also count the time the GPU waits for
-    the host's first launches and for small kernels launched one after the other. Median
-    of ``reps``; a call whose host side outlasts the lead is reported on stderr."""
-    fn()
-    torch.cuda.synchronize()
-    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    cycles = _spin_cycles(lead_ms)
-    times = []
-    for _ in range(reps):
-        cache.zero_()
-        torch.cuda._sleep(cycles)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        a.record()
-        fn()
-        b.record()
-        host_ms = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        if host_ms > 0.8 * lead_ms:
-            print(f"bench_host_ahead: the host took {host_ms:.1f} ms of the {lead_ms:.0f} ms lead", file=sys.stderr)
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    forward pass, where the host runs ahead of the GPU: a spin kernel holds the GPU for
+    ``lead_ms`` after the L2 flush while the host enqueues the call. ``bench_slow`` and
+    ``do_bench`` instead also count the time the GPU waits for the host's first launches
+    and for small kernels launched one after the other. A call whose host side outlasts
+    the lead is reported on stderr."""
+    t, host_ms = _event_timings(fn, reps, _spin_cycles(lead_ms))
+    if host_ms > 0.8 * lead_ms:
+        print(f"bench_host_ahead: the host took {host_ms:.1f} ms of the {lead_ms:.0f} ms lead", file=sys.stderr)
+    return t
 
 
 def sampled_check(p, out, lse, n_check=96) -> float:

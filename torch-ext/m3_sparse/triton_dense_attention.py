@@ -38,6 +38,7 @@ kernel's splits, and ``triton_decode.merge_splits`` merges them by their max.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,6 +47,11 @@ import triton.language as tl
 
 from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
 from .triton_decode import MAX_SPLITS, merge_splits
+
+try:  # host-side tensor descriptors (the TMA path); older Triton releases keep gathered loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 
@@ -81,15 +87,15 @@ def _attend_key_tile(
         if MASK:
             # Slots at or past `hi` in the tile's page may hold anything (NaN too): 0 * NaN.
             b_v = tl.where((k_pos < hi)[:, None], b_v, 0.0)
-    elif MASK:
-        # Keys at or past `hi` may sit behind table entries that hold garbage.
-        k_ok = k_pos < hi
-        page = tl.load(bt_row_ptr + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
-        kv_mask = k_ok[:, None] & d_ok[None, :]
     else:
-        page = tl.load(bt_row_ptr + k_pos // PS).to(tl.int64)
-        kv_mask = d_ok[None, :]
-    if not TMA:
+        if MASK:
+            # Keys at or past `hi` may sit behind table entries that hold garbage.
+            k_ok = k_pos < hi
+            page = tl.load(bt_row_ptr + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            page = tl.load(bt_row_ptr + k_pos // PS).to(tl.int64)
+            kv_mask = d_ok[None, :]
         slot = (k_pos % PS).to(tl.int64)
         p_k = k_ptr + (page * stride_kp + kv_head_off_k + slot * stride_ks)[:, None] + offs_d[None, :]
         p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
@@ -300,8 +306,10 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
     (None: they can). A box must lie in one page, cover the whole head dim and start on
     a 16-byte aligned, int32-addressable row; the copy engine exists from sm_90 on."""
     pages, hkv, page_size, d = k_cache.shape
+    if TensorDescriptor is None:
+        return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
     if k_cache.device.type == "cuda" and not interpreting():
-        major, _ = torch.cuda.get_device_capability(k_cache.device)
+        major = _capability_major(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device())
         if major < 9:
             return f"TMA needs compute capability 9.0 or newer, this device has {major}.x"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -316,11 +324,13 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
         return "an empty page pool"
     if pages * hkv * page_size >= 2**31:
         return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    # Asked on every launch (decode steps too): answered once per device.
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def dense_paged_attention_triton(
@@ -408,8 +418,6 @@ def dense_paged_attention_triton(
         raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
     tma = why_not is None and use_tma is not False
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         k_desc = TensorDescriptor.from_tensor(k_cache.view(-1, d), [bn, bd])
         v_desc = TensorDescriptor.from_tensor(v_cache.view(-1, d), [bn, bd])
     else:
