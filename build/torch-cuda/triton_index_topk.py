@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_index_topk
 from ._dispatch import INDEX_MAX_TOPK
 from ._launch import contiguous, interpreting, next_pow2, num_sms
 from .index_topk import check_index_k_scale, is_tensor_scale, validate_index_topk
@@ -72,6 +73,10 @@ MAX_SPLITS = 128
 # (257 vs 260 us) and widened fp8 keys lose (342 vs 210 us): docs/PERF.md.
 KEY_MAJOR_MAX_BM = 32
 KEY_MAJOR_STAGES = 6
+# Which prefill kernel runs a call that the Gluon kernel (gluon_index_topk.py, sm_90)
+# accepts: "auto" takes it, "triton" keeps the tl kernel, "tma" requires the Gluon one.
+ENGINES = ("auto", "tma", "triton")
+ENGINE = "auto"
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
 FP8_DTYPES = tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
@@ -483,9 +488,15 @@ def _index_topk_launch(
     num_stages=None,
     key_major=None,
     maxnreg=None,
+    engine=None,
 ):
     """``index_topk_triton`` with the launch choices exposed (tests, benchmarks).
-    ``maxnreg`` caps the registers per thread (more programs per multiprocessor)."""
+    ``maxnreg`` caps the registers per thread (more programs per multiprocessor).
+    ``engine`` (default ``ENGINE``): see ENGINES; launch choices for the tl kernel
+    (``block_k``, ``num_warps``, ``num_stages``, ``maxnreg``) keep the tl kernel."""
+    engine = ENGINE if engine is None else engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine: one of {ENGINES}, got {engine!r}")
     fp8 = index_k_cache.dtype in FP8_DTYPES
     token_scales = False
     if fp8:
@@ -563,6 +574,21 @@ def _index_topk_launch(
         most = max(1, min(cap_chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
         num_splits = 1 if est >= target else min(-(-target // est), most)
     final = num_splits == 1
+    if engine == "triton":
+        why = "engine='triton'"
+    elif any(x is not None for x in (block_k, num_warps, num_stages, maxnreg)):
+        why = "launch settings of the tl kernel given"
+    else:
+        why = gluon_index_topk.unsupported_reason(
+            q, k, block_size=block_size, fp8_dot=fp8_dot, token_scales=token_scales, bm=bm, num_splits=num_splits,
+            key_major=key_major,
+        )
+    if why is None:
+        return gluon_index_topk.index_topk_tma(
+            q, k, bt, cu, kv, out, topk=topk, block_size=block_size, local_blocks=local_blocks, fp8_dot=fp8_dot
+        )
+    if engine == "tma":
+        raise ValueError(f"engine='tma': the Gluon index kernel does not run this call: {why}")
     if final:
         ws_val = ws_id = out
     else:

@@ -455,3 +455,54 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
         )
     ref, scores = dense_oracle(q_rows, dequantize(codes, scale), batch, 5, block_size, 1)
     check(batch, out, ref, scores, 5, block_size, 1, tol=FP8_TIE_TOL if dot else TIE_TOL)
+
+
+def _gluon_platform_reason():
+    from m3_sparse import gluon_index_topk as gi
+
+    if not ON_GPU:
+        return "no CUDA device"
+    return gi._platform_reason(torch.cuda.current_device())
+
+
+@pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("keys", ["bf16", "fp8_tensor_dot"])
+def test_gluon_prefill_engine(page_size, keys):
+    """The Gluon prefill kernel (sm_90) selects what the tl kernel selects, row for row, and
+    what the oracle selects up to ties; ragged sequences over shuffled pages, chunked
+    prefill, rows before a sequence's first block."""
+    g = gen(2000 + page_size + len(keys))
+    batch = make_batch(g, ragged(128), page_size, shuffle=True)
+    iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
+    ik = batch.index_cache(g, DIM, dtype=torch.bfloat16, garbage=float("nan"))
+    kw = dict(topk=16, block_size=128, max_seqlen_q=max(batch.q_lens), num_splits=1)
+    q_rows, k_ref, tol = iq.float(), ik.float(), TIE_TOL
+    if keys == "fp8_tensor_dot":
+        codes, scale = quantize_e4m3(torch.nan_to_num(ik.float(), nan=0.0), True)
+        ik = torch.where(ik.isnan(), float("nan"), codes.float()).to(torch.float8_e4m3fn)
+        kw.update(index_k_scale=scale.to(DEVICE), fp8_dot=True)
+        q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
+        k_ref, tol = dequantize(codes, scale), FP8_TIE_TOL
+    tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    args = (iq.to(DEVICE), ik.to(DEVICE), tables)
+    with poisoned_allocations():
+        out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="tma", **kw)
+    tl_out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="triton", **kw)
+    assert torch.equal(canon(out.cpu()), canon(tl_out.cpu())), "Gluon and tl kernels select differently"
+    ref, scores = dense_oracle(q_rows, k_ref, batch, 16, 128, 1)
+    check(batch, out, ref, scores, 16, 128, 1, tol=tol)
+
+
+def test_engine_choice_is_checked():
+    g = gen(7)
+    batch = make_batch(g, [(40, 40)], 16)
+    iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
+    ik = batch.index_cache(g, DIM, dtype=torch.bfloat16)
+    tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    args = (iq.to(DEVICE), ik.to(DEVICE), tables)
+    with pytest.raises(ValueError, match="engine: one of"):
+        _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, topk=4, block_size=16, engine="cuda")
+    # Blocks of 16 keys: never the Gluon kernel's, so demanding it names the reason.
+    with pytest.raises(ValueError, match=r"engine='tma'.*blocks of 128 keys"):
+        _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, topk=4, block_size=16, engine="tma")

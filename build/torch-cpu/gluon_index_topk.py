@@ -1,0 +1,306 @@
+"""Index branch prefill on Hopper (sm_90): score + block max + top-k in Gluon, with the next
+key tile's MMA running under the current tile's epilogue.
+
+Same contract as ``triton_index_topk.index_topk_triton`` on the calls ``unsupported_reason``
+accepts (the ``tl`` kernel serves every other call and is the reference of this one).
+
+Why a second kernel: the ``tl`` kernel waits on each key tile's MMA before its block max
+and top-k insert, so a program alternates between the tensor cores and the epilogue and
+only the multiprocessor's second program fills the gaps (docs/PERF.md, index branch,
+"What limits it"). Here one program of two warpgroups owns a 128-row tile (32 tokens x 4
+heads; each warpgroup 64 rows) and:
+
+* streams the key tiles (one block of 128 keys, one or two TMA boxes of the paged cache)
+  through an NS-deep shared-memory ring, NS - 1 tiles ahead;
+* issues tile c + 1's Q K^T asynchronously before tile c's max and insert, and waits on
+  it only after them: two accumulators per warpgroup (64 registers each);
+* keeps the running top-(topk - local) per row in a layout whose rows sit where the MMA's
+  rows sit, so the block max reaches the insert without a trip through shared memory.
+
+fp8 keys with ``fp8_dot`` (the query rows quantized to e4m3 in the kernel, one positive
+factor per row that is never applied back) or bf16 / fp16 queries and keys of one dtype;
+one split (prefill: enough row tiles to fill the GPU); a per-tensor fp8 key scale only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _sync_threads = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+    HAVE_GLUON = True
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+from ._launch import interpreting
+
+BM = 128
+BK = 128
+NUM_WARPS = 8
+STAGES = 3
+TESTED_TRITON = ("3.6.",)
+
+
+@functools.lru_cache(maxsize=None)
+def _platform_reason(device_index: int) -> str | None:
+    import triton
+
+    if not HAVE_GLUON:
+        return "this Triton has no Gluon Hopper API"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton.__version__}"
+    if torch.version.hip is not None:
+        return "needs CUDA, not ROCm"
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return "needs sm_90 (wgmma and TMA as compiled here)"
+    return None
+
+
+def unsupported_reason(index_q, index_k_cache, *, block_size, fp8_dot, token_scales, bm, num_splits, key_major):
+    """None when this kernel runs the call, else why not."""
+    fp8 = torch.float8_e4m3fn
+    k = index_k_cache
+    if k.dtype == fp8:
+        if not fp8_dot or token_scales:
+            return "fp8 keys need fp8_dot and one scale for the cache"
+        if index_q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"fp8_dot quantizes float queries, got {index_q.dtype}"
+    elif k.dtype not in (torch.bfloat16, torch.float16) or index_q.dtype != k.dtype:
+        return f"bf16 or fp16 queries and keys of one dtype, got {index_q.dtype} / {k.dtype}"
+    if num_splits != 1 or bm != BM or key_major:
+        return "prefill only: 128-row tiles, one split"
+    if block_size != BK:
+        return f"blocks of {BK} keys, got {block_size}"
+    page = k.shape[1]
+    if page not in (64, 128):
+        return f"pages of 64 or 128 keys, got {page}"
+    if index_q.shape[2] not in (64, 128):
+        return f"index head dim 64 or 128, got {index_q.shape[2]}"
+    if k.shape[0] * page >= 2**31:
+        return "more than 2^31 key rows"
+    if not k.is_contiguous() or k.data_ptr() % 16:
+        return "a contiguous, 16-byte aligned index key cache"
+    if interpreting() or k.device.type != "cuda":
+        return "needs a CUDA device (not the interpreter)"
+    return _platform_reason(k.device.index if k.device.index is not None else torch.cuda.current_device())
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _insert(vals, ids, cand, cid):
+        """Offer block ``cid`` (above every kept id) with score ``cand`` [BM] to each row's
+        kept list; ties to the lower id (the same rule as the tl kernel)."""
+        worst_val = gl.min(vals, axis=1)
+        worst_id = gl.max(gl.where(vals == worst_val[:, None], ids, -2147483647), axis=1)
+        hit = (ids == worst_id[:, None]) & (cand > worst_val)[:, None]
+        vals = gl.where(hit, cand[:, None], vals)
+        ids = gl.where(hit, cid, ids)
+        return vals, ids
+
+    @gluon.jit
+    def _issue_k(k_desc, k_slot, bar, bt_row_ptr, c, kv_len, live,
+                 BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr):
+        """TMA copies of key chunk ``c`` (one block) into a ring slot: one box per page it
+        spans. A page past the sequence reads page 0; its keys are masked by the caller."""
+        mbarrier.expect(bar, BLOCK * D * k_desc.dtype.primitive_bitwidth // 8, pred=live)
+        for p in gl.static_range(BLOCK // PB):
+            k_pos = c * BLOCK + p * PB
+            page = gl.load(bt_row_ptr + k_pos // PAGE, mask=live & (k_pos < kv_len), other=0).to(gl.int32)
+            page = gl.where(page < 0, 0, page)
+            tma.async_copy_global_to_shared(k_desc, [page * PAGE + k_pos % PAGE, 0], bar, k_slot.slice(p * PB, PB),
+                                            pred=live)
+
+    @gluon.jit
+    def _issue_mma(q_smem, k_smem, k_bars, zero, c, n_chunks, NS: gl.constexpr):
+        """Chunk c's Q K^T, asynchronous; past the last chunk it runs on a stale slot and its
+        result is never used (no copy is in flight there, nothing is waited for)."""
+        slot = c % NS
+        mbarrier.wait(k_bars.index(slot), (c // NS) & 1, pred=c < n_chunks)
+        return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _refill(k_desc, k_smem, k_bars, bt_row_ptr, fill, kv_len, n_chunks,
+                BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
+        """Chunk ``fill``'s copy into the slot of chunk fill - NS, whose MMA every warp has
+        waited on (the barrier makes sure of the other warpgroup)."""
+        _sync_threads()
+        _issue_k(k_desc, k_smem.index(fill % NS), k_bars.index(fill % NS), bt_row_ptr, fill, kv_len,
+                 fill < n_chunks, BLOCK, PAGE, PB, D)
+
+    @gluon.jit
+    def _epilogue(b_s, vals, ids, c, c_full, cand_end, offs_n, krow_layout: gl.constexpr, BLOCK: gl.constexpr):
+        """Chunk c's block max per row (keys past a row's bound masked in the tail chunks)
+        offered to the kept lists."""
+        if c >= c_full:
+            k_pos = c * BLOCK + offs_n
+            b_s = gl.where(k_pos[None, :] < cand_end[:, None], b_s, float("-inf"))
+        b_max = gl.convert_layout(gl.max(b_s, axis=1), krow_layout)  # [BM]
+        return _insert(vals, ids, b_max, c)
+
+    @gluon.jit
+    def _index_topk_tma_kernel(
+        q_ptr, k_desc, bt_ptr, cu_ptr, kvlen_ptr, out_ptr,
+        stride_bt, batch,
+        H: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr,
+        TOPK: gl.constexpr, TOPK_P2: gl.constexpr, LOCAL: gl.constexpr, NKEEP: gl.constexpr, KP: gl.constexpr,
+        BM: gl.constexpr, FP8_DOT: gl.constexpr, NS: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        kt: gl.constexpr = k_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK, 256 // kt.primitive_bitwidth]
+        )
+        # The kept lists: rows where the scores' rows are (a reduction of the scores over keys
+        # lands in this layout's row slice), KP slots spread over the 4 threads of a row quad.
+        kp_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, KP, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        krow_layout: gl.constexpr = gl.SliceLayout(1, kp_layout)
+        kcol_layout: gl.constexpr = gl.SliceLayout(0, kp_layout)
+        q_reg_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+
+        # Tile -> (sequence, its first token, its token count, tile of the sequence): tiles
+        # never straddle sequences; a sequence's tiles run last-rows-first (longest first).
+        seq = batch
+        q_lo = 0
+        nq = 0
+        tile = 0
+        t_acc = 0
+        for b in range(batch):
+            lo = gl.load(cu_ptr + b)
+            hi = gl.load(cu_ptr + b + 1)
+            nt = ((hi - lo) * H + BM - 1) // BM
+            here = (pid >= t_acc) & (pid < t_acc + nt)
+            seq = gl.where(here, b, seq)
+            q_lo = gl.where(here, lo, q_lo)
+            nq = gl.where(here, hi - lo, nq)
+            tile = gl.where(here, t_acc + nt - 1 - pid, tile)
+            t_acc += nt
+        if seq >= batch:
+            return
+        kv_len = gl.load(kvlen_ptr + seq)
+
+        # Query rows, quantized to e4m3 per row for the fp8 MMA (a positive factor per row
+        # does not change the row's ranking), staged in shared memory once.
+        offs_qm = gl.arange(0, BM, layout=gl.SliceLayout(1, q_reg_layout))
+        offs_qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_reg_layout))
+        q_rows = tile * BM + offs_qm
+        q_ok = q_rows < nq * H
+        p_q = q_ptr + (q_lo * H + q_rows).to(gl.int64)[:, None] * D + offs_qd[None, :]
+        b_q = gl.load(p_q, mask=q_ok[:, None], other=0.0)  # [BM, D]
+        if FP8_DOT:
+            b_qf = b_q.to(gl.float32)
+            amax = gl.max(gl.abs(b_qf), axis=1)
+            b_q = (b_qf * (448.0 / gl.maximum(amax, 1e-30))[:, None]).to(kt)
+        q_smem = gl.allocate_shared_memory(kt, [BM, D], k_desc.layout)  # the keys' swizzle: same dtype and D
+        q_smem.store(b_q)
+        k_smem = gl.allocate_shared_memory(kt, [NS, BLOCK, D], k_desc.layout)
+        k_bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NS):
+            mbarrier.init(k_bars.index(s), count=1)
+        fence_async_shared()
+        _sync_threads()
+
+        offs_m = gl.arange(0, BM, layout=row_layout)
+        offs_n = gl.arange(0, BLOCK, layout=col_layout)
+        r = tile * BM + offs_m
+        row_ok = r < nq * H
+        pos = kv_len - nq + r // H
+        pos_ok = row_ok & (pos >= 0)
+        pos_c = gl.maximum(pos, 0)
+        last = pos_c // BLOCK
+        cand_blocks = gl.maximum(last - LOCAL + 1, 0)
+        cand_end = gl.where(pos_ok, gl.minimum(cand_blocks * BLOCK, pos_c + 1), 0)  # [BM] key bound
+        key_hi = gl.max(cand_end, axis=0)
+        key_all = gl.min(gl.where(row_ok, cand_end, 2147483647), axis=0)
+        n_chunks = (key_hi + BLOCK - 1) // BLOCK
+        c_full = gl.minimum(key_all // BLOCK, n_chunks)  # chunks below every row's bound: no mask
+
+        offs_p = gl.arange(0, KP, layout=kcol_layout)
+        vals = gl.where(offs_p[None, :] < NKEEP, float("-inf"), float("inf")) + gl.zeros([BM, KP], gl.float32, kp_layout)
+        ids = (-1 - offs_p)[None, :] + gl.zeros([BM, KP], gl.int32, kp_layout)
+
+        bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
+        for s in gl.static_range(NS - 1):
+            _issue_k(k_desc, k_smem.index(s), k_bars.index(s), bt_row_ptr, s, kv_len, s < n_chunks, BLOCK, PAGE, PB, D)
+        zero = gl.zeros([BM, BLOCK], gl.float32, s_layout)
+        mbarrier.wait(k_bars.index(0), 0, pred=n_chunks > 0)
+        b_s0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        b_s0 = warpgroup_mma_wait(0, deps=[b_s0])
+        # Unrolled by two so that the two accumulators swap roles without register copies:
+        # chunk c's scores (b_s0) are in hand at the top; chunk c + 1's MMA runs under their
+        # max and insert, then chunk c + 2's under chunk c + 1's.
+        for c in range(0, n_chunks, 2):
+            s_acc = _issue_mma(q_smem, k_smem, k_bars, zero, c + 1, n_chunks, NS)
+            _refill(k_desc, k_smem, k_bars, bt_row_ptr, c + NS - 1, kv_len, n_chunks, BLOCK, PAGE, PB, D, NS)
+            # Always true here; the branch keeps the compiler from hoisting the wait below
+            # above the max and insert (it does so within one basic block).
+            if c * BLOCK < key_hi:
+                vals, ids = _epilogue(b_s0, vals, ids, c, c_full, cand_end, offs_n, krow_layout, BLOCK)
+            b_s1 = warpgroup_mma_wait(0, deps=[s_acc])
+            s_acc = _issue_mma(q_smem, k_smem, k_bars, zero, c + 2, n_chunks, NS)
+            _refill(k_desc, k_smem, k_bars, bt_row_ptr, c + NS, kv_len, n_chunks, BLOCK, PAGE, PB, D, NS)
+            if c + 1 < n_chunks:
+                vals, ids = _epilogue(b_s1, vals, ids, c + 1, c_full, cand_end, offs_n, krow_layout, BLOCK)
+            b_s0 = warpgroup_mma_wait(0, deps=[s_acc])
+        for s in gl.static_range(NS):
+            mbarrier.invalidate(k_bars.index(s))
+
+        # Row layout: forced ids L, L-1, .. (nf of them), the kept ids, then -1.
+        offs_km = gl.arange(0, BM, layout=krow_layout)
+        rk = tile * BM + offs_km
+        rk_ok = rk < nq * H
+        pos_k = kv_len - nq + rk // H
+        pk_ok = rk_ok & (pos_k >= 0)
+        last_k = gl.maximum(pos_k, 0) // BLOCK
+        nf = gl.where(pk_ok, gl.minimum(last_k + 1, LOCAL), 0)
+        n_kept = gl.sum(((vals > float("-inf")) & (offs_p[None, :] < NKEEP)).to(gl.int32), axis=1)
+        p_o = out_ptr + (q_lo * H + rk).to(gl.int64)[:, None] * TOPK  # [BM, 1]
+        offs_t = gl.arange(0, TOPK_P2, layout=kcol_layout)
+        forced = offs_t[None, :] < nf[:, None]
+        gl.store(p_o + offs_t[None, :], last_k[:, None] - offs_t[None, :], mask=rk_ok[:, None] & forced)
+        gl.store(p_o + nf[:, None] + offs_p[None, :], ids,
+                 mask=rk_ok[:, None] & (offs_p[None, :] < n_kept[:, None]))
+        pad = (offs_t[None, :] >= (nf + n_kept)[:, None]) & (offs_t[None, :] < TOPK)
+        gl.store(p_o + offs_t[None, :], gl.full([BM, TOPK_P2], -1, gl.int32, kp_layout), mask=rk_ok[:, None] & pad)
+
+
+def index_topk_tma(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, out, *, topk, block_size,
+                   local_blocks, fp8_dot, num_stages=None):
+    """Fill ``out [Tq, H, topk]`` on a call ``unsupported_reason`` accepted (metadata int32
+    and contiguous, ``index_q`` contiguous)."""
+    num_tokens, heads, dim = index_q.shape
+    pages, page_size, _ = index_k_cache.shape
+    batch = used_kv_lens.shape[0]
+    kt = index_k_cache.dtype
+    bits = torch.finfo(kt).bits
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=min(128, dim * bits // 8), element_bitwidth=bits, rank=2)
+    pb = min(block_size, page_size)
+    k2 = index_k_cache.view(pages * page_size, dim)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [pb, dim], layout)
+    nkeep = topk - local_blocks
+    kp = 1 << max(0, max(nkeep, 1) - 1).bit_length()
+    tiles = (num_tokens * heads) // BM + batch
+    _index_topk_tma_kernel[(tiles,)](
+        index_q, k_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
+        block_tables.stride(0), batch,
+        H=heads, D=dim, BLOCK=block_size, PAGE=page_size, PB=pb,
+        TOPK=topk, TOPK_P2=1 << max(0, topk - 1).bit_length(), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
+        BM=BM, FP8_DOT=bool(fp8_dot), NS=num_stages or STAGES,
+        num_warps=NUM_WARPS,
+    )
+    return out
