@@ -11,7 +11,7 @@ only the multiprocessor's second program fills the gaps (docs/PERF.md, index bra
 heads; each warpgroup 64 rows) and:
 
 * streams the key tiles (one block of 128 keys, one or two TMA boxes of the paged cache)
-  through an NS-deep shared-memory ring, NS - 1 tiles ahead;
+  through an NS-deep shared-memory ring;
 * issues tile c + 1's Q K^T asynchronously before tile c's max and insert, and waits on
   it only after them: two accumulators per warpgroup (64 registers each);
 * keeps the running top-(topk - local) per row in a layout whose rows sit where the MMA's
@@ -50,7 +50,9 @@ from ._launch import interpreting
 BM = 128
 BK = 128
 NUM_WARPS = 8
-STAGES = 3
+# Key ring depth: chunk c + NS - 1 is copied while chunk c's epilogue and chunk c + 1's MMA
+# run, so NS - 2 tiles of lead hide the copy's latency (not yet tuned on the GPU).
+STAGES = 4
 TESTED_TRITON = ("3.6.",)
 
 
@@ -159,6 +161,8 @@ if HAVE_GLUON:
         TOPK: gl.constexpr, TOPK_P2: gl.constexpr, LOCAL: gl.constexpr, NKEEP: gl.constexpr, KP: gl.constexpr,
         BM: gl.constexpr, FP8_DOT: gl.constexpr, NS: gl.constexpr,
     ):
+        # Chunk c + 1's MMA reads its slot while chunk c + NS - 1 is copied: three slots at least.
+        gl.static_assert(NS >= 3, "the key ring needs at least three slots")
         pid = gl.program_id(0)
         kt: gl.constexpr = k_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(

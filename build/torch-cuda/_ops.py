@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_fc723ec3d3"
+NAMESPACE = "_m3_sparse_cuda_670da8f7db"
 
 ops = getattr(torch.ops, NAMESPACE)
 
