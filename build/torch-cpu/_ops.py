@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_670da8f7db"
+NAMESPACE = "_m3_sparse_cpu_66daeb4703"
 
 ops = getattr(torch.ops, NAMESPACE)
 

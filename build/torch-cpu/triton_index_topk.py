@@ -585,7 +585,8 @@ def _index_topk_launch(
         )
     if why is None:
         return gluon_index_topk.index_topk_tma(
-            q, k, bt, cu, kv, out, topk=topk, block_size=block_size, local_blocks=local_blocks, fp8_dot=fp8_dot
+            q, k, bt, cu, kv, out, topk=topk, block_size=block_size, local_blocks=local_blocks, fp8_dot=fp8_dot,
+            token_scales=index_k_scale if token_scales else None,
         )
     if engine == "tma":
         raise ValueError(f"engine='tma': the Gluon index kernel does not run this call: {why}")

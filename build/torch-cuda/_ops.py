@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_670da8f7db"
+NAMESPACE = "_m3_sparse_cuda_66daeb4703"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -19,7 +19,9 @@ heads; each warpgroup 64 rows) and:
 
 fp8 keys with ``fp8_dot`` (the query rows quantized to e4m3 in the kernel, one positive
 factor per row that is never applied back) or bf16 / fp16 queries and keys of one dtype;
-one split (prefill: enough row tiles to fill the GPU); a per-tensor fp8 key scale only.
+one split (prefill: enough row tiles to fill the GPU). Per-token fp8 key scales (pages of 128)
+ride with their key tile (one more TMA box of 512 bytes) and multiply each score column
+before the block max, as in the tl kernel; a per-tensor scale is never read.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def unsupported_reason(index_q, index_k_cache, *, block_size, fp8_dot, token_sca
     fp8 = torch.float8_e4m3fn
     k = index_k_cache
     if k.dtype == fp8:
-        if not fp8_dot or token_scales:
-            return "fp8 keys need fp8_dot and one scale for the cache"
+        if not fp8_dot:
+            return "fp8 keys need fp8_dot"
+        if token_scales and k.shape[1] < BK:
+            return f"per-token key scales need pages of at least {BK} keys"
         if index_q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"fp8_dot quantizes float queries, got {index_q.dtype}"
     elif k.dtype not in (torch.bfloat16, torch.float16) or index_q.dtype != k.dtype:
@@ -114,17 +118,21 @@ if HAVE_GLUON:
         return vals, ids
 
     @gluon.jit
-    def _issue_k(k_desc, k_slot, bar, bt_row_ptr, c, kv_len, live,
-                 BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr):
+    def _issue_k(k_desc, k_slot, ks_desc, ks_slot, bar, bt_row_ptr, c, kv_len, live,
+                 BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr, K_SCALE: gl.constexpr):
         """TMA copies of key chunk ``c`` (one block) into a ring slot: one box per page it
-        spans. A page past the sequence reads page 0; its keys are masked by the caller."""
-        mbarrier.expect(bar, BLOCK * D * k_desc.dtype.primitive_bitwidth // 8, pred=live)
+        spans, and with per-token scales the chunk's scales (PAGE >= BLOCK: one box). A page
+        past the sequence reads page 0; its keys are masked by the caller."""
+        nbytes: gl.constexpr = BLOCK * D * k_desc.dtype.primitive_bitwidth // 8 + BLOCK * 4 * K_SCALE
+        mbarrier.expect(bar, nbytes, pred=live)
         for p in gl.static_range(BLOCK // PB):
             k_pos = c * BLOCK + p * PB
             page = gl.load(bt_row_ptr + k_pos // PAGE, mask=live & (k_pos < kv_len), other=0).to(gl.int32)
             page = gl.where(page < 0, 0, page)
             tma.async_copy_global_to_shared(k_desc, [page * PAGE + k_pos % PAGE, 0], bar, k_slot.slice(p * PB, PB),
                                             pred=live)
+            if K_SCALE:
+                tma.async_copy_global_to_shared(ks_desc, [page, k_pos % PAGE], bar, ks_slot, pred=live)
 
     @gluon.jit
     def _issue_mma(q_smem, k_smem, k_bars, zero, c, n_chunks, NS: gl.constexpr):
@@ -135,18 +143,26 @@ if HAVE_GLUON:
         return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _refill(k_desc, k_smem, k_bars, bt_row_ptr, fill, kv_len, n_chunks,
-                BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr, NS: gl.constexpr):
-        """Chunk ``fill``'s copy into the slot of chunk fill - NS, whose MMA every warp has
-        waited on (the barrier makes sure of the other warpgroup)."""
+    def _refill(k_desc, k_smem, ks_desc, ks_smem, k_bars, bt_row_ptr, fill, kv_len, n_chunks,
+                BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr, D: gl.constexpr, NS: gl.constexpr,
+                K_SCALE: gl.constexpr):
+        """Chunk ``fill``'s copy into the slot of chunk fill - NS, whose MMA and scale reads
+        every warp has finished (the barrier makes sure of the other warpgroup)."""
         _sync_threads()
-        _issue_k(k_desc, k_smem.index(fill % NS), k_bars.index(fill % NS), bt_row_ptr, fill, kv_len,
-                 fill < n_chunks, BLOCK, PAGE, PB, D)
+        slot = fill % NS
+        _issue_k(k_desc, k_smem.index(slot), ks_desc, ks_smem.index(slot), k_bars.index(slot), bt_row_ptr, fill,
+                 kv_len, fill < n_chunks, BLOCK, PAGE, PB, D, K_SCALE)
 
     @gluon.jit
-    def _epilogue(b_s, vals, ids, c, c_full, cand_end, offs_n, krow_layout: gl.constexpr, BLOCK: gl.constexpr):
-        """Chunk c's block max per row (keys past a row's bound masked in the tail chunks)
-        offered to the kept lists."""
+    def _epilogue(b_s, ks_smem, vals, ids, c, c_full, cand_end, offs_n, krow_layout: gl.constexpr,
+                  BLOCK: gl.constexpr, NS: gl.constexpr, K_SCALE: gl.constexpr):
+        """Chunk c's block max per row (scores times the keys' scales, keys past a row's
+        bound masked in the tail chunks) offered to the kept lists."""
+        if K_SCALE:
+            # Read as a [1, BLOCK] tile in the scores' own layout: summing its single row gives
+            # the scales where the score columns are, with no layout conversion.
+            b_ks = gl.sum(ks_smem.index(c % NS).load(b_s.type.layout), axis=0)  # [BLOCK]
+            b_s = b_s * b_ks[None, :]
         if c >= c_full:
             k_pos = c * BLOCK + offs_n
             b_s = gl.where(k_pos[None, :] < cand_end[:, None], b_s, float("-inf"))
@@ -155,11 +171,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _index_topk_tma_kernel(
-        q_ptr, k_desc, bt_ptr, cu_ptr, kvlen_ptr, out_ptr,
+        q_ptr, k_desc, ks_desc, bt_ptr, cu_ptr, kvlen_ptr, out_ptr,
         stride_bt, batch,
         H: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr, PAGE: gl.constexpr, PB: gl.constexpr,
         TOPK: gl.constexpr, TOPK_P2: gl.constexpr, LOCAL: gl.constexpr, NKEEP: gl.constexpr, KP: gl.constexpr,
-        BM: gl.constexpr, FP8_DOT: gl.constexpr, NS: gl.constexpr,
+        BM: gl.constexpr, FP8_DOT: gl.constexpr, NS: gl.constexpr, K_SCALE: gl.constexpr,
     ):
         # Chunk c + 1's MMA reads its slot while chunk c + NS - 1 is copied: three slots at least.
         gl.static_assert(NS >= 3, "the key ring needs at least three slots")
@@ -213,6 +229,10 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(kt, [BM, D], k_desc.layout)  # the keys' swizzle: same dtype and D
         q_smem.store(b_q)
         k_smem = gl.allocate_shared_memory(kt, [NS, BLOCK, D], k_desc.layout)
+        if K_SCALE:
+            ks_smem = gl.allocate_shared_memory(gl.float32, [NS, 1, BLOCK], ks_desc.layout)
+        else:
+            ks_smem = k_smem  # never read
         k_bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NS):
             mbarrier.init(k_bars.index(s), count=1)
@@ -240,7 +260,8 @@ if HAVE_GLUON:
 
         bt_row_ptr = bt_ptr + seq.to(gl.int64) * stride_bt
         for s in gl.static_range(NS - 1):
-            _issue_k(k_desc, k_smem.index(s), k_bars.index(s), bt_row_ptr, s, kv_len, s < n_chunks, BLOCK, PAGE, PB, D)
+            _issue_k(k_desc, k_smem.index(s), ks_desc, ks_smem.index(s), k_bars.index(s), bt_row_ptr, s, kv_len,
+                     s < n_chunks, BLOCK, PAGE, PB, D, K_SCALE)
         zero = gl.zeros([BM, BLOCK], gl.float32, s_layout)
         mbarrier.wait(k_bars.index(0), 0, pred=n_chunks > 0)
         b_s0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -250,16 +271,20 @@ if HAVE_GLUON:
         # max and insert, then chunk c + 2's under chunk c + 1's.
         for c in range(0, n_chunks, 2):
             s_acc = _issue_mma(q_smem, k_smem, k_bars, zero, c + 1, n_chunks, NS)
-            _refill(k_desc, k_smem, k_bars, bt_row_ptr, c + NS - 1, kv_len, n_chunks, BLOCK, PAGE, PB, D, NS)
+            _refill(k_desc, k_smem, ks_desc, ks_smem, k_bars, bt_row_ptr, c + NS - 1, kv_len, n_chunks, BLOCK, PAGE,
+                    PB, D, NS, K_SCALE)
             # Always true here; the branch keeps the compiler from hoisting the wait below
             # above the max and insert (it does so within one basic block).
             if c * BLOCK < key_hi:
-                vals, ids = _epilogue(b_s0, vals, ids, c, c_full, cand_end, offs_n, krow_layout, BLOCK)
+                vals, ids = _epilogue(b_s0, ks_smem, vals, ids, c, c_full, cand_end, offs_n, krow_layout, BLOCK, NS,
+                                      K_SCALE)
             b_s1 = warpgroup_mma_wait(0, deps=[s_acc])
             s_acc = _issue_mma(q_smem, k_smem, k_bars, zero, c + 2, n_chunks, NS)
-            _refill(k_desc, k_smem, k_bars, bt_row_ptr, c + NS, kv_len, n_chunks, BLOCK, PAGE, PB, D, NS)
+            _refill(k_desc, k_smem, ks_desc, ks_smem, k_bars, bt_row_ptr, c + NS, kv_len, n_chunks, BLOCK, PAGE, PB,
+                    D, NS, K_SCALE)
             if c + 1 < n_chunks:
-                vals, ids = _epilogue(b_s1, vals, ids, c + 1, c_full, cand_end, offs_n, krow_layout, BLOCK)
+                vals, ids = _epilogue(b_s1, ks_smem, vals, ids, c + 1, c_full, cand_end, offs_n, krow_layout, BLOCK,
+                                      NS, K_SCALE)
             b_s0 = warpgroup_mma_wait(0, deps=[s_acc])
         for s in gl.static_range(NS):
             mbarrier.invalidate(k_bars.index(s))
@@ -284,7 +309,7 @@ if HAVE_GLUON:
 
 
 def index_topk_tma(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, out, *, topk, block_size,
-                   local_blocks, fp8_dot, num_stages=None):
+                   local_blocks, fp8_dot, token_scales=None, num_stages=None):
     """Fill ``out [Tq, H, topk]`` on a call ``unsupported_reason`` accepted (metadata int32
     and contiguous, ``index_q`` contiguous)."""
     num_tokens, heads, dim = index_q.shape
@@ -296,15 +321,22 @@ def index_topk_tma(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_l
     pb = min(block_size, page_size)
     k2 = index_k_cache.view(pages * page_size, dim)
     k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [pb, dim], layout)
+    if token_scales is not None:
+        # [pages, page_size] fp32, one box of a chunk's BLOCK scales (pages hold whole blocks).
+        s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        ks_desc = TensorDescriptor(token_scales, list(token_scales.shape), list(token_scales.stride()),
+                                   [1, block_size], s_layout)
+    else:
+        ks_desc = k_desc
     nkeep = topk - local_blocks
     kp = 1 << max(0, max(nkeep, 1) - 1).bit_length()
     tiles = (num_tokens * heads) // BM + batch
     _index_topk_tma_kernel[(tiles,)](
-        index_q, k_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
+        index_q, k_desc, ks_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
         block_tables.stride(0), batch,
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size, PB=pb,
         TOPK=topk, TOPK_P2=1 << max(0, topk - 1).bit_length(), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
-        BM=BM, FP8_DOT=bool(fp8_dot), NS=num_stages or STAGES,
+        BM=BM, FP8_DOT=bool(fp8_dot), NS=num_stages or STAGES, K_SCALE=token_scales is not None,
         num_warps=NUM_WARPS,
     )
     return out

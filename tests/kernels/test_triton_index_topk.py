@@ -467,7 +467,7 @@ def _gluon_platform_reason():
 
 @pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
 @pytest.mark.parametrize("page_size", [64, 128])
-@pytest.mark.parametrize("keys", ["bf16", "fp8_tensor_dot"])
+@pytest.mark.parametrize("keys", ["bf16", "fp8_tensor_dot", "fp8_token_dot"])
 def test_gluon_prefill_engine(page_size, keys):
     """The Gluon prefill kernel (sm_90) selects what the tl kernel selects, row for row, and
     what the oracle selects up to ties; ragged sequences over shuffled pages, chunked
@@ -478,14 +478,18 @@ def test_gluon_prefill_engine(page_size, keys):
     ik = batch.index_cache(g, DIM, dtype=torch.bfloat16, garbage=float("nan"))
     kw = dict(topk=16, block_size=128, max_seqlen_q=max(batch.q_lens), num_splits=1)
     q_rows, k_ref, tol = iq.float(), ik.float(), TIE_TOL
-    if keys == "fp8_tensor_dot":
-        codes, scale = quantize_e4m3(torch.nan_to_num(ik.float(), nan=0.0), True)
+    if keys != "bf16":
+        codes, scale = quantize_e4m3(torch.nan_to_num(ik.float(), nan=0.0), keys == "fp8_tensor_dot")
         ik = torch.where(ik.isnan(), float("nan"), codes.float()).to(torch.float8_e4m3fn)
         kw.update(index_k_scale=scale.to(DEVICE), fp8_dot=True)
         q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
         k_ref, tol = dequantize(codes, scale), FP8_TIE_TOL
     tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
     args = (iq.to(DEVICE), ik.to(DEVICE), tables)
+    if keys == "fp8_token_dot" and page_size < 128:
+        with pytest.raises(ValueError, match="per-token key scales need pages of at least 128"):
+            _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="tma", **kw)
+        return
     with poisoned_allocations():
         out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="tma", **kw)
     tl_out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="triton", **kw)
