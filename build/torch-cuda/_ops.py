@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_66daeb4703"
+NAMESPACE = "_m3_sparse_cuda_ae4ea5fa7a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

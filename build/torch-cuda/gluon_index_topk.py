@@ -308,6 +308,14 @@ if HAVE_GLUON:
         gl.store(p_o + offs_t[None, :], gl.full([BM, TOPK_P2], -1, gl.int32, kp_layout), mask=rk_ok[:, None] & pad)
 
 
+def list_widths(topk, local_blocks):
+    """(kept blocks per row, padded kept-list width, padded output width). The kept lists and
+    the output rows use the MMA-like layout, whose column tile (the wgmma N) is at least 8:
+    shorter lists get slots that never take a block."""
+    nkeep = topk - local_blocks
+    return nkeep, max(8, 1 << max(0, nkeep - 1).bit_length()), max(8, 1 << max(0, topk - 1).bit_length())
+
+
 def index_topk_tma(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, out, *, topk, block_size,
                    local_blocks, fp8_dot, token_scales=None, num_stages=None):
     """Fill ``out [Tq, H, topk]`` on a call ``unsupported_reason`` accepted (metadata int32
@@ -328,14 +336,13 @@ def index_topk_tma(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_l
                                    [1, block_size], s_layout)
     else:
         ks_desc = k_desc
-    nkeep = topk - local_blocks
-    kp = 1 << max(0, max(nkeep, 1) - 1).bit_length()
+    nkeep, kp, topk_p2 = list_widths(topk, local_blocks)
     tiles = (num_tokens * heads) // BM + batch
     _index_topk_tma_kernel[(tiles,)](
         index_q, k_desc, ks_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
         block_tables.stride(0), batch,
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size, PB=pb,
-        TOPK=topk, TOPK_P2=1 << max(0, topk - 1).bit_length(), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
+        TOPK=topk, TOPK_P2=topk_p2, LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
         BM=BM, FP8_DOT=bool(fp8_dot), NS=num_stages or STAGES, K_SCALE=token_scales is not None,
         num_warps=NUM_WARPS,
     )

@@ -161,7 +161,7 @@ cases = {
     "dense fp8 q/K/V": lambda: dense(F8, F8, Q_FP8=True, KV_FP8=True),
     "dense fp8 K/V, fp32 q": lambda: dense("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
 }
-def gluon_index(kdt, page, k_scale=False):
+def gluon_index(kdt, page, k_scale=False, topk=16, local=1):
     # Hopper only (wgmma): compiled for sm_90 alone.
     from triton.experimental.gluon._runtime import GluonASTSource
     from m3_sparse import gluon_index_topk as gi
@@ -174,7 +174,9 @@ def gluon_index(kdt, page, k_scale=False):
     s_box = "tensordesc<fp32[1, 128],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>"
     sig = {"q_ptr": "*bf16", "k_desc": k_box, "ks_desc": s_box if k_scale else k_box, "bt_ptr": I32, "cu_ptr": I32,
            "kvlen_ptr": I32, "out_ptr": I32, "stride_bt": "i32", "batch": "i32"}
-    cx = dict(H=4, D=128, BLOCK=128, PAGE=page, PB=pb, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=gi.BM,
+    nkeep, kp, topk_p2 = gi.list_widths(topk, local)
+    cx = dict(H=4, D=128, BLOCK=128, PAGE=page, PB=pb, TOPK=topk, TOPK_P2=topk_p2, LOCAL=local, NKEEP=nkeep, KP=kp,
+              BM=gi.BM,
               FP8_DOT=kdt == F8, NS=gi.STAGES, K_SCALE=k_scale)
     full = {n: "constexpr" if n in cx else sig[n] for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
@@ -187,6 +189,8 @@ if arch == 90 and _gi.HAVE_GLUON and triton.__version__.startswith(_gi.TESTED_TR
     cases["gluon index prefill, fp8 keys, page 128"] = lambda: gluon_index(F8, 128)
     cases["gluon index prefill, bf16 keys, page 64"] = lambda: gluon_index("bf16", 64)
     cases["gluon index prefill, fp8 keys with per-token scales"] = lambda: gluon_index(F8, 128, k_scale=True)
+    # Kept lists shorter than the MMA's 8-column tile (top-4, two local blocks).
+    cases["gluon index prefill, top-4 with two local blocks"] = lambda: gluon_index("bf16", 128, topk=4, local=2)
 res = {}
 for name, make in cases.items():
     try:

@@ -468,15 +468,16 @@ def _gluon_platform_reason():
 @pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("keys", ["bf16", "fp8_tensor_dot", "fp8_token_dot"])
-def test_gluon_prefill_engine(page_size, keys):
+@pytest.mark.parametrize("topk,local", [(16, 1), (4, 2), (7, 0)])
+def test_gluon_prefill_engine(page_size, keys, topk, local):
     """The Gluon prefill kernel (sm_90) selects what the tl kernel selects, row for row, and
     what the oracle selects up to ties; ragged sequences over shuffled pages, chunked
     prefill, rows before a sequence's first block."""
-    g = gen(2000 + page_size + len(keys))
+    g = gen(2000 + page_size + len(keys) + topk)
     batch = make_batch(g, ragged(128), page_size, shuffle=True)
     iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16)
     ik = batch.index_cache(g, DIM, dtype=torch.bfloat16, garbage=float("nan"))
-    kw = dict(topk=16, block_size=128, max_seqlen_q=max(batch.q_lens), num_splits=1)
+    kw = dict(topk=topk, block_size=128, local_blocks=local, max_seqlen_q=max(batch.q_lens), num_splits=1)
     q_rows, k_ref, tol = iq.float(), ik.float(), TIE_TOL
     if keys != "bf16":
         codes, scale = quantize_e4m3(torch.nan_to_num(ik.float(), nan=0.0), keys == "fp8_tensor_dot")
@@ -494,8 +495,8 @@ def test_gluon_prefill_engine(page_size, keys):
         out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="tma", **kw)
     tl_out = _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, engine="triton", **kw)
     assert torch.equal(canon(out.cpu()), canon(tl_out.cpu())), "Gluon and tl kernels select differently"
-    ref, scores = dense_oracle(q_rows, k_ref, batch, 16, 128, 1)
-    check(batch, out, ref, scores, 16, 128, 1, tol=tol)
+    ref, scores = dense_oracle(q_rows, k_ref, batch, topk, 128, local)
+    check(batch, out, ref, scores, topk, 128, local, tol=tol)
 
 
 def test_engine_choice_is_checked():
