@@ -514,3 +514,29 @@ def test_engine_choice_is_checked():
     # Blocks of 16 keys: never the Gluon kernel's, so demanding it names the reason.
     with pytest.raises(ValueError, match=r"engine='tma'.*blocks of 128 keys"):
         _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, topk=4, block_size=16, engine="tma")
+
+
+@pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
+@pytest.mark.parametrize("keys,expect_gluon", [("bf16", False), ("fp8_tensor_dot", True), ("fp8_token_dot", False)])
+def test_auto_engine_takes_gluon_where_faster(monkeypatch, keys, expect_gluon):
+    """engine='auto' runs the Gluon kernel only for fp8 keys with one scale (where it
+    measured faster); the selections are the tl kernel's either way."""
+    from m3_sparse import gluon_index_topk as gi
+
+    calls = []
+    real = gi.index_topk_tma
+    monkeypatch.setattr(gi, "index_topk_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = gen(31)
+    batch = make_batch(g, [(700, 700), (300, 900)], 128, shuffle=True)
+    iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16).to(DEVICE)
+    ik = batch.index_cache(g, DIM, dtype=torch.bfloat16)
+    kw = dict(topk=16, block_size=128, max_seqlen_q=max(batch.q_lens), num_splits=1)
+    if keys != "bf16":
+        codes, scale = quantize_e4m3(ik.float(), keys == "fp8_tensor_dot")
+        ik = codes.to(torch.float8_e4m3fn)
+        kw.update(index_k_scale=scale.to(DEVICE), fp8_dot=True)
+    tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    out = _index_topk_launch(iq, ik.to(DEVICE), tables, cu_seqlens_q=cu, used_kv_lens=kv, engine="auto", **kw)
+    assert bool(calls) == expect_gluon
+    tl_out = _index_topk_launch(iq, ik.to(DEVICE), tables, cu_seqlens_q=cu, used_kv_lens=kv, engine="triton", **kw)
+    assert torch.equal(canon(out.cpu()), canon(tl_out.cpu()))

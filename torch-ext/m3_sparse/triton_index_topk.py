@@ -74,7 +74,10 @@ MAX_SPLITS = 128
 KEY_MAJOR_MAX_BM = 32
 KEY_MAJOR_STAGES = 6
 # Which prefill kernel runs a call that the Gluon kernel (gluon_index_topk.py, sm_90)
-# accepts: "auto" takes it, "triton" keeps the tl kernel, "tma" requires the Gluon one.
+# accepts: "auto" takes it where it measured faster (fp8 keys with one scale for the cache,
+# fp8 dot: 10.34 against 10.77 ms at 128K on the H200; bf16 keys 16.1 against 14.8 ms and
+# per-token fp8 scales 13.0 against 12.4 ms keep the tl kernel), "triton" keeps the tl
+# kernel everywhere, "tma" requires the Gluon one (docs/PERF.md, "Gluon index kernel").
 ENGINES = ("auto", "tma", "triton")
 ENGINE = "auto"
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).
@@ -578,6 +581,8 @@ def _index_topk_launch(
         why = "engine='triton'"
     elif any(x is not None for x in (block_k, num_warps, num_stages, maxnreg)):
         why = "launch settings of the tl kernel given"
+    elif engine == "auto" and not (fp8_dot and not token_scales):
+        why = "engine='auto' keeps the tl kernel for bf16 / fp16 keys and per-token fp8 scales (it is faster there)"
     else:
         why = gluon_index_topk.unsupported_reason(
             q, k, block_size=block_size, fp8_dot=fp8_dot, token_scales=token_scales, bm=bm, num_splits=num_splits,
