@@ -54,6 +54,7 @@ SMOKE = "--cpu-smoke" in sys.argv
 DEV = "cpu" if SMOKE else "cuda"
 HBM_BW = 4.2e12  # device-to-device copy, bytes read + written per second (M3_SPEC.md)
 GEMM_BF16 = 700e12  # bf16 GEMM 8192^3 on this H200 (M3_SPEC.md)
+GEMM_FP8 = 1281e12  # fp8 GEMM on this H200 (docs/PERF.md, ceilings)
 
 LOG = []
 
@@ -286,6 +287,39 @@ def sweep_fp8(args, g):
     del cache, codes, codes1
 
 
+def compare_engines(args, g):
+    """The two prefill kernels on the same calls: the tl kernel (engine="triton") and the
+    Gluon one for sm_90 (engine="tma"); selections must be equal row for row."""
+    sizes = [512] if SMOKE else [32768, 131072]
+    log("## prefill engines: tl kernel against the Gluon kernel (CUDA-graph medians)")
+    log("| N | keys | tl ms | Gluon ms | Gluon / tl | floor ms (GEMM ceiling) | rows differing |")
+    log("|---|---|---|---|---|---|---|")
+    for n in sizes:
+        iq, _, cache, tables, cu, kv = prefill_inputs(n, args.page_size, g)
+        flops = 2 * DIM * HEADS * n * n / 2
+        codes, scale = quantize_e4m3(cache)
+        codes1, scale1 = quantize_e4m3_tensor(cache)
+        cases = [("bf16", cache, {}), ("fp8, one scale", codes1, dict(index_k_scale=scale1, fp8_dot=True))]
+        if args.page_size >= BLOCK:  # per-token scales ride with whole blocks
+            cases.append(("fp8, per-token scales", codes, dict(index_k_scale=scale, fp8_dot=True)))
+        for label, kc, kw in cases:
+            floor = flops / (GEMM_FP8 if kw else GEMM_BF16) * 1e3
+            times, sels = {}, {}
+            for engine in ("triton", "tma"):
+                fn = lambda: run_triton(iq, kc, tables, cu, kv, n, engine=engine, num_splits=1, **kw)  # noqa: E731
+                try:
+                    sels[engine] = canon(fn())
+                    times[engine] = bench_graph(fn)
+                except ValueError as e:  # the Gluon kernel does not run here (device, Triton): say why
+                    log(f"| {n // 1024}K | {label} | - | {e} | - | - | - |")
+                    break
+            else:
+                differ = (sels["triton"] != sels["tma"]).any(-1).float().mean().item()
+                log(f"| {n // 1024}K | {label} | {times['triton']:.3f} | {times['tma']:.3f} | "
+                    f"{times['tma'] / times['triton']:.3f} | {floor:.2f} | {differ:.1e} |")
+        del iq, cache, codes, codes1
+
+
 def sweep_decode(args, g):
     """Decode, batch 32: score orientation (key-major K @ Q^T vs Q @ K^T), warps and
     pipeline stages, for bf16 keys, fp8 keys widened to bf16, and fp8 keys with the fp8 dot."""
@@ -339,6 +373,8 @@ def main():
     ap.add_argument("--sweep-fp8", action="store_true", help="launch configurations of the fp8-dot prefill")
     ap.add_argument("--sweep-decode", action="store_true",
                     help="decode launch configurations (score orientation, warps, stages), bf16 and fp8 keys")
+    ap.add_argument("--engines", action="store_true",
+                    help="prefill: the tl kernel against the Gluon kernel (sm_90), bf16 and fp8 keys")
     ap.add_argument("--sweeps-only", action="store_true", help="run the requested sweeps, skip the main tables")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -358,6 +394,8 @@ def main():
         sweep_fp8(args, g)
     if args.sweep_decode:
         sweep_decode(args, g)
+    if args.engines:
+        compare_engines(args, g)
     if args.sweeps_only:
         (out_dir / "bench_index.log").write_text("\n".join(LOG) + "\n")
         return
