@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_d5e79bf454"
+NAMESPACE = "_m3_sparse_cpu_41c1e70aec"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -461,11 +461,11 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
 
 
 def _gluon_platform_reason():
-    from m3_sparse import gluon_index_topk as gi
+    from m3_sparse._gluon import platform_reason
 
     if not ON_GPU:
         return "no CUDA device"
-    return gi._platform_reason(torch.cuda.current_device())
+    return platform_reason(torch.cuda.current_device())
 
 
 @pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")

@@ -40,22 +40,20 @@ import functools
 
 import torch
 
-try:  # Gluon ships with Triton >= 3.5; its Hopper API is what this kernel needs.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from ._gluon import HAVE_GLUON, TESTED_TRITON, platform_reason, triton_version  # noqa: F401
+
+if HAVE_GLUON:
+    from ._gluon import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _sync_threads = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
-    HAVE_GLUON = True
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+    from ._gluon import sync_threads as _sync_threads
 
 from ._launch import interpreting
 from .kvouter_attention import empty_partials
@@ -66,30 +64,6 @@ LOG2E = 1.4426950408889634
 TILE_ROWS = 64
 FILL_ROWS = 64
 NUM_WARPS = 4
-# Gluon changes between Triton releases; other versions keep the tl kernel rather than
-# fail to compile on every call.
-TESTED_TRITON = ("3.6.",)
-
-
-def triton_version() -> str:
-    import triton
-
-    return triton.__version__
-
-
-@functools.lru_cache(maxsize=None)
-def _platform_reason(device_index: int) -> str | None:
-    """The checks that depend only on the installation and the GPU (asked on every decode step,
-    so answered once per device)."""
-    if not HAVE_GLUON:
-        return "this Triton has no Gluon Hopper API"
-    if not triton_version().startswith(TESTED_TRITON):
-        return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
-    if torch.version.hip is not None:
-        return "needs CUDA, not ROCm"
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return "needs sm_90 (wgmma and TMA as compiled here)"
-    return None
 
 
 def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows) -> str | None:
@@ -123,7 +97,7 @@ def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_
         return "contiguous q and caches"
     if interpreting() or q.device.type != "cuda":
         return "needs a CUDA device (not the interpreter)"
-    why = _platform_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    why = platform_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if why is not None:
         return why
     if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
