@@ -75,9 +75,9 @@ KEY_MAJOR_MAX_BM = 32
 KEY_MAJOR_STAGES = 6
 # Which prefill kernel runs a call that the Gluon kernel (gluon_index_topk.py, sm_90)
 # accepts: "auto" takes it where it measured faster (fp8 keys with one scale for the cache,
-# fp8 dot: 10.34 against 10.77 ms at 128K on the H200; bf16 keys 16.1 against 14.8 ms and
-# per-token fp8 scales 13.0 against 12.4 ms keep the tl kernel), "triton" keeps the tl
-# kernel everywhere, "tma" requires the Gluon one (docs/PERF.md, "Gluon index kernel").
+# fp8 dot: 10.08 against 10.48 ms at 128K on the H200; bf16 keys, 15.66 against 14.51 ms,
+# and per-token fp8 scales, 12.88 against 12.11 ms, keep the tl kernel), "triton" keeps the
+# tl kernel everywhere, "tma" requires the Gluon one (docs/PERF.md, "Gluon index kernel").
 ENGINES = ("auto", "tma", "triton")
 ENGINE = "auto"
 # e4m3fn only: Hopper's fp8 MMA has no e4m3fnuz (the AMD encoding).

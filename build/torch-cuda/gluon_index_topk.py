@@ -22,6 +22,11 @@ factor per row that is never applied back) or bf16 / fp16 queries and keys of on
 one split (prefill: enough row tiles to fill the GPU). Per-token fp8 key scales (pages of 128)
 ride with their key tile (one more TMA box of 512 bytes) and multiply each score column
 before the block max, as in the tl kernel; a per-tensor scale is never read.
+
+On the H200 it beats the tl kernel only with fp8 keys under one scale (4-7%); with bf16 keys
+the MMA alone takes as long as the whole tl kernel, and per-token scales lengthen the
+epilogue it overlaps (docs/PERF.md, "Gluon index kernel for sm_90"). The launcher's
+``engine="auto"`` takes it for that case alone.
 """
 
 from __future__ import annotations

@@ -176,12 +176,12 @@ def gluon_index(kdt, page, k_scale=False, topk=16, local=1):
            "kvlen_ptr": I32, "out_ptr": I32, "stride_bt": "i32", "batch": "i32"}
     nkeep, kp, topk_p2 = gi.list_widths(topk, local)
     cx = dict(H=4, D=128, BLOCK=128, PAGE=page, PB=pb, TOPK=topk, TOPK_P2=topk_p2, LOCAL=local, NKEEP=nkeep, KP=kp,
-              BM=gi.BM,
-              FP8_DOT=kdt == F8, NS=gi.STAGES, K_SCALE=k_scale)
+              BM=gi.BM, FP8_DOT=kdt == F8, NS=gi.STAGES, K_SCALE=k_scale)
     full = {n: "constexpr" if n in cx else sig[n] for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
     src = GluonASTSource(fn, full, {(names.index(k),): v for k, v in cx.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": gi.NUM_WARPS})
+
 
 from m3_sparse import gluon_index_topk as _gi
 # Gluon's API moves between Triton releases: the kernel is compiled by the release it names.
