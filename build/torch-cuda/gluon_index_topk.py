@@ -60,14 +60,19 @@ STAGES = 4
 
 
 def unsupported_reason(index_q, index_k_cache, *, block_size, fp8_dot, token_scales, bm, num_splits, key_major):
-    """None when this kernel runs the call, else why not."""
+    """None when this kernel runs the call, else why not. ``token_scales``: the per-token
+    key scales ``[pages, page_size]`` (unit last stride) or None."""
     fp8 = torch.float8_e4m3fn
     k = index_k_cache
     if k.dtype == fp8:
         if not fp8_dot:
             return "fp8 keys need fp8_dot"
-        if token_scales and k.shape[1] < BK:
-            return f"per-token key scales need pages of at least {BK} keys"
+        if token_scales is not None:
+            if k.shape[1] < BK:
+                return f"per-token key scales need pages of at least {BK} keys"
+            # They are read as TMA boxes: 16-byte aligned base and rows.
+            if token_scales.data_ptr() % 16 or (token_scales.stride(0) * 4) % 16:
+                return "per-token key scales with a 16-byte aligned start and rows"
         if index_q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"fp8_dot quantizes float queries, got {index_q.dtype}"
     elif k.dtype not in (torch.bfloat16, torch.float16) or index_q.dtype != k.dtype:

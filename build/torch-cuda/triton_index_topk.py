@@ -585,8 +585,8 @@ def _index_topk_launch(
         why = "engine='auto' keeps the tl kernel for bf16 / fp16 keys and per-token fp8 scales (it is faster there)"
     else:
         why = gluon_index_topk.unsupported_reason(
-            q, k, block_size=block_size, fp8_dot=fp8_dot, token_scales=token_scales, bm=bm, num_splits=num_splits,
-            key_major=key_major,
+            q, k, block_size=block_size, fp8_dot=fp8_dot, token_scales=index_k_scale if token_scales else None, bm=bm,
+            num_splits=num_splits, key_major=key_major,
         )
     if why is None:
         return gluon_index_topk.index_topk_tma(

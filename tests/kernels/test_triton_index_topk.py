@@ -514,6 +514,17 @@ def test_engine_choice_is_checked():
     # Blocks of 16 keys: never the Gluon kernel's, so demanding it names the reason.
     with pytest.raises(ValueError, match=r"engine='tma'.*blocks of 128 keys"):
         _index_topk_launch(*args, cu_seqlens_q=cu, used_kv_lens=kv, topk=4, block_size=16, engine="tma")
+    # Per-token fp8 scales that do not start on a 16-byte boundary cannot be TMA boxes.
+    g = gen(8)
+    batch = make_batch(g, [(300, 300)], 128)
+    iq = randn(g, batch.num_tokens, HEADS, DIM, dtype=torch.bfloat16).to(DEVICE)
+    codes, scale = quantize_e4m3(batch.index_cache(g, DIM, dtype=torch.bfloat16).float())
+    shifted = torch.empty(scale.numel() + 1, device=DEVICE)[1:].view_as(scale)
+    shifted.copy_(scale.to(DEVICE))
+    tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    with pytest.raises(ValueError, match=r"engine='tma'.*16-byte aligned start"):
+        _index_topk_launch(iq, codes.to(DEVICE), tables, cu_seqlens_q=cu, used_kv_lens=kv, topk=16, block_size=128,
+                           index_k_scale=shifted, fp8_dot=True, num_splits=1, engine="tma")
 
 
 @pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
