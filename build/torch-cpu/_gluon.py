@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from ._launch import device_capability
+
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what the kernels need.
     from triton.experimental import gluon  # noqa: F401
     from triton.experimental.gluon import language as gl
@@ -45,6 +47,6 @@ def platform_reason(device_index: int) -> str | None:
         return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
     if torch.version.hip is not None:
         return "needs CUDA, not ROCm"
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
+    if device_capability(device_index) != (9, 0):
         return "needs sm_90 (wgmma and TMA as compiled here)"
     return None

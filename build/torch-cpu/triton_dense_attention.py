@@ -38,14 +38,13 @@ kernel's splits, and ``triton_decode.merge_splits`` merges them by their max.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
+from ._launch import contiguous, device_capability, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
 from .triton_decode import MAX_SPLITS, merge_splits
 
 try:  # host-side tensor descriptors (the TMA path); older Triton releases keep gathered loads
@@ -309,7 +308,8 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
     if TensorDescriptor is None:
         return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
     if k_cache.device.type == "cuda" and not interpreting():
-        major = _capability_major(k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device())
+        index = k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()
+        major = device_capability(index)[0]
         if major < 9:
             return f"TMA needs compute capability 9.0 or newer, this device has {major}.x"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -325,12 +325,6 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
     if pages * hkv * page_size >= 2**31:
         return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(device_index: int) -> int:
-    # Asked on every launch (decode steps too): answered once per device.
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def dense_paged_attention_triton(

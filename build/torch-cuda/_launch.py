@@ -22,6 +22,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def device_capability(index: int) -> tuple[int, int]:
+    # Asked on every launch (decode steps too): answered once per device.
+    return torch.cuda.get_device_capability(index)
+
+
 def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernels index integer metadata (block tables, offsets, lengths, selections)
     with unit inner strides; a strided view is copied (a small device copy, no sync)."""

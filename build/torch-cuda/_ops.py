@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_f568dfcc51"
+NAMESPACE = "_m3_sparse_cuda_e3108e3732"
 
 ops = getattr(torch.ops, NAMESPACE)
 
