@@ -80,7 +80,9 @@ def _attend_key_tile(
     if TMA:
         # The tile lies in one page (PS % BN == 0) and start_n < hi, so its table entry is real.
         page = tl.load(bt_row_ptr + start_n // PS)
-        row = (page * HKV + kv_head) * PS + start_n % PS
+        # Tables and lengths may be int64 tensors; TMA coordinates are 32-bit, and the
+        # launcher checked that every cache row has an int32 index.
+        row = ((page * HKV + kv_head) * PS + start_n % PS).to(tl.int32)
         b_k = k_desc.load([row, 0])  # [BN, BD]
         b_v = v_desc.load([row, 0])  # [BN, BD]
         if MASK:

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_e3108e3732"
+NAMESPACE = "_m3_sparse_cuda_f3d5a9a05d"
 
 ops = getattr(torch.ops, NAMESPACE)
 

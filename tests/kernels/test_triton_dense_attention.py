@@ -7,6 +7,7 @@ the same tests run natively.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -238,6 +239,20 @@ def test_tma_boxes_with_nan_slots(use_tma, page_size, block_n, num_splits, causa
     assert tda._tma_unusable(k, v, block_n, 32) is None
     out, lse = _run(batch, q, k, v, causal, block_n=block_n, num_splits=num_splits, use_tma=use_tma)
     assert not out.isnan().any()
+    _check(batch, q, k, v, causal, torch.bfloat16, out, lse, against_torch=False)
+
+
+# int64 tables and lengths are accepted like int32 ones; TMA coordinates are 32-bit, so
+# the kernel must narrow the page row it computes from them (it failed to compile before).
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_int64_metadata(use_tma, causal):
+    batch, q, k, v = _problem(11, [(150, 40), (1, 1), (66, 3)], 64, 8, 2, 32, torch.bfloat16)
+    wide = dataclasses.replace(batch, **{n: getattr(batch, n).to(torch.int64)
+                                          for n in ("block_tables", "cu_seqlens_q", "used_kv_lens")})
+    out, lse = _run(wide, q, k, v, causal, block_n=32, use_tma=use_tma)
+    ref, ref_lse = _run(batch, q, k, v, causal, block_n=32, use_tma=use_tma)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     _check(batch, q, k, v, causal, torch.bfloat16, out, lse, against_torch=False)
 
 
