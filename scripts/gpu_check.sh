@@ -10,7 +10,8 @@
 # long, generate, sanitize (benchmarks/bench_NAME.py; long = bench_long_prefill.py, sanitize =
 # benchmarks/sanitize.py). Wheels in ./.whl (an offline machine's copy of kernels and
 # hypothesis) are installed first when present. Environment: TEST_TIMEOUT (s, default 480),
-# STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default 8; needs pytest-xdist).
+# STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default: the CPU count, as most of a GPU test's
+# time is Triton compiling on the host; needs pytest-xdist).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}/gpu_check"
@@ -42,7 +43,8 @@ run_step() {  # name, timeout, command...
 }
 
 workers=()
-[[ "${PYTEST_WORKERS:-8}" != 0 ]] && workers=(-n "${PYTEST_WORKERS:-8}")
+n_workers=${PYTEST_WORKERS:-$(nproc)}
+[[ "$n_workers" != 0 ]] && workers=(-n "$n_workers")
 run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rfE --tb=short tests
 
 for spec in "$@"; do

@@ -20,7 +20,7 @@ from kernel_test_utils import aot_compile
 SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-arch = int(sys.argv[2])
+arch, shard, shards = (int(x) for x in sys.argv[2:5])
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -192,19 +192,29 @@ if arch == 90 and _gi.HAVE_GLUON and triton.__version__.startswith(_gi.TESTED_TR
     # Kept lists shorter than the MMA's 8-column tile (top-4, two local blocks).
     cases["gluon index prefill, top-4 with two local blocks"] = lambda: gluon_index("bf16", 128, topk=4, local=2)
 res = {}
-for name, make in cases.items():
+for i, (name, make) in enumerate(cases.items()):
+    if i % shards != shard:
+        continue
     try:
         make()
         res[name] = {"ok": True}
     except Exception as e:
         res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
-print("RESULT " + json.dumps(res))
+print("RESULT " + json.dumps({"cases": len(cases), "results": res}))
 """
 
 
+# The cases compile in a few shards, each in its own interpreter, so that pytest-xdist can
+# spread one architecture's compiles over several workers (one shard took minutes).
+SHARDS = 4
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
-def test_kernels_compile_for_the_gpu(arch):
-    res = aot_compile(SCRIPT, str(arch))
+def test_kernels_compile_for_the_gpu(arch, shard):
+    out = aot_compile(SCRIPT, str(arch), str(shard), str(SHARDS))
+    res, total = out["results"], out["cases"]
     bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
     assert not bad, f"kernels that do not compile for sm_{arch}: {json.dumps(bad, indent=1)}"
-    assert len(res) >= 28, sorted(res)
+    assert total >= 40, total
+    assert len(res) == len(range(shard, total, SHARDS)), sorted(res)
