@@ -22,6 +22,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (the current device for a bare ``"cuda"``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def device_capability(index: int) -> tuple[int, int]:
     # Asked on every launch (decode steps too): answered once per device.
@@ -55,4 +60,4 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     """Multiprocessors of ``device`` (cached); ``cpu_default`` stands in off the GPU."""
     if device.type != "cuda":
         return cpu_default
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device_index(device))

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_f3d5a9a05d"
+NAMESPACE = "_m3_sparse_cpu_b54faa0af0"
 
 ops = getattr(torch.ops, NAMESPACE)
 

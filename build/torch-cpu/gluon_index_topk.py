@@ -48,7 +48,7 @@ if HAVE_GLUON:
     )
     from ._gluon import sync_threads as _sync_threads
 
-from ._launch import interpreting
+from ._launch import device_index, interpreting
 
 BM = 128
 BK = 128
@@ -92,7 +92,7 @@ def unsupported_reason(index_q, index_k_cache, *, block_size, fp8_dot, token_sca
         return "a contiguous, 16-byte aligned index key cache"
     if interpreting() or k.device.type != "cuda":
         return "needs a CUDA device (not the interpreter)"
-    return platform_reason(k.device.index if k.device.index is not None else torch.cuda.current_device())
+    return platform_reason(device_index(k.device))
 
 
 if HAVE_GLUON:

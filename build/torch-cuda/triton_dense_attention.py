@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, device_capability, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
+from ._launch import (
+    contiguous, device_capability, device_index, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype,
+)
 from .triton_decode import MAX_SPLITS, merge_splits
 
 try:  # host-side tensor descriptors (the TMA path); older Triton releases keep gathered loads
@@ -310,8 +312,7 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
     if TensorDescriptor is None:
         return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
     if k_cache.device.type == "cuda" and not interpreting():
-        index = k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()
-        major = device_capability(index)[0]
+        major = device_capability(device_index(k_cache.device))[0]
         if major < 9:
             return f"TMA needs compute capability 9.0 or newer, this device has {major}.x"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

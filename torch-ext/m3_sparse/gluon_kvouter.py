@@ -55,7 +55,7 @@ if HAVE_GLUON:
     )
     from ._gluon import sync_threads as _sync_threads
 
-from ._launch import interpreting
+from ._launch import device_index, interpreting
 from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
@@ -97,7 +97,7 @@ def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_
         return "contiguous q and caches"
     if interpreting() or q.device.type != "cuda":
         return "needs a CUDA device (not the interpreter)"
-    why = platform_reason(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    why = platform_reason(device_index(q.device))
     if why is not None:
         return why
     if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
