@@ -6,12 +6,14 @@ length, and at 128K the effect of the workspace budget (query slices) on speed.
     python3 benchmarks/bench_long_prefill.py --sizes 131072 --budgets 1,4,unbounded
     python3 benchmarks/bench_long_prefill.py --fp8 --sizes 32768,131072 --budgets 4,unbounded
     python3 benchmarks/bench_long_prefill.py --profile --fp8 --profile-budgets 4   # attention alone, by stage
+    python3 benchmarks/bench_long_prefill.py --fp8 --fp8-partials --sizes 131072 --budgets 4
 
 Workload: Hq 64, Hkv 4, D 128, 4 index heads of dim 128, block 128, top-16, page 128, bf16,
 one causal prefill; index queries/keys random, so the selections are the index kernel's
 own (no hand-made pattern). ``--fp8`` adds the fp8 layer: q, K and V in e4m3 with per-tensor
 scales (KV-outer on fp8 inputs, bf16 partials and output) and e4m3 index keys with per-token
-scales read by the index kernel's fp8 MMA. Peak memory: ``torch.cuda.max_memory_allocated`` during the
+scales read by the index kernel's fp8 MMA; ``--fp8-partials`` adds the fp8 layer with e4m3
+partials (``partial_dtype=torch.float8_e4m3fn``). Peak memory: ``torch.cuda.max_memory_allocated`` during the
 call minus what the inputs already held. Times: median event timings of one call, and of
 one call with the host ahead of the GPU (``bench_kvouter.bench_host_ahead``). Dense cuDNN causal attention of the same
 prompt is timed alongside up to --dense-max tokens. The last thing printed is a markdown table.
@@ -74,7 +76,7 @@ def quantize_fp8(p, index_scale="token"):
     return out
 
 
-def sparse_layer(p, budget):
+def sparse_layer(p, budget, partial_dtype=None):
     fp8 = "q_scale" in p
     sel = m3_sparse.index_topk(
         p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
@@ -83,29 +85,34 @@ def sparse_layer(p, budget):
     scales = {f"{x}_scale": p[f"{x}_scale"] for x in ("q", "k", "v")} if fp8 else {}
     out, _ = m3_sparse.kvouter_attention(
         p["q"], p["k"], p["v"], sel, p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
-        max_workspace_bytes=budget, **scales,
+        max_workspace_bytes=budget, partial_dtype=partial_dtype, **scales,
     )
     return out
 
 
-def measure(n, budget, dense_max, fp8=False, index_scale="token"):
+# Inputs of a row: bf16, fp8 q/K/V with bf16 partials, fp8 with e4m3 partials.
+KINDS = {"bf16": (False, None), "fp8": (True, None), "fp8+e4m3 partials": (True, torch.float8_e4m3fn)}
+
+
+def measure(n, budget, dense_max, kind="bf16", index_scale="token"):
+    fp8, partial_dtype = KINDS[kind]
     p = make_inputs(n)
     if fp8:
         p = quantize_fp8(p, index_scale)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    sparse_layer(p, budget)
+    sparse_layer(p, budget, partial_dtype)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - held
-    t = bench_slow(lambda: sparse_layer(p, budget))
-    t_ahead = bench_host_ahead(lambda: sparse_layer(p, budget))
+    t = bench_slow(lambda: sparse_layer(p, budget, partial_dtype))
+    t_ahead = bench_host_ahead(lambda: sparse_layer(p, budget, partial_dtype))
     dense = None
     if n <= dense_max:
         dense, _ = dense_cudnn({"q": make_inputs(n)["q"] if fp8 else p["q"], "n_seq": 1, "seq_len": n})
     del p
     torch.cuda.empty_cache()
-    return dict(n=n, budget=budget, ms=t, ms_host_ahead=t_ahead, peak_gib=peak / GIB, dense_ms=dense, fp8=fp8,
+    return dict(n=n, budget=budget, ms=t, ms_host_ahead=t_ahead, peak_gib=peak / GIB, dense_ms=dense, kind=kind,
                 index_scale=index_scale if fp8 else None)
 
 
@@ -128,13 +135,14 @@ def _stage(name):
     return "other"
 
 
-def profile(n, budgets, out_dir, fp8=False):
+def profile(n, budgets, out_dir, fp8=False, fp8_partials=False):
     """GPU time of the attention call alone (selections precomputed) per workspace budget,
     summed over kernels by stage. A small budget is a query-window order: each slice of
     rows runs its partials and then its combine while its partials may still sit in L2,
     at the price of reloading every K/V block once per slice that selects it. ``fp8``: the
     same module on e4m3 q/K/V (per-tensor scales, bf16 partials) as extra rows, and dense
-    bf16 cuDNN attention of the prompt timed once for the ratio."""
+    bf16 cuDNN attention of the prompt timed once for the ratio; ``fp8_partials``: rows with
+    e4m3 partials too."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     p = make_inputs(n)
@@ -142,13 +150,15 @@ def profile(n, budgets, out_dir, fp8=False):
         p["iq"], p["ik"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], topk=TOPK, block_size=BLOCK,
         max_seqlen_q=n,
     )
-    per_row = HKV * TOPK * (HQ // HKV) * (D * 2 + 8)
     rows = []
     kinds = [("bf16", p, {})]
-    if fp8:
+    if fp8 or fp8_partials:
         p8 = quantize_fp8(p)
-        kinds.append(("fp8", p8, {f"{x}_scale": p8[f"{x}_scale"] for x in ("q", "k", "v")}))
+        scales8 = {f"{x}_scale": p8[f"{x}_scale"] for x in ("q", "k", "v")}
+        kinds += [("fp8", p8, scales8)] if fp8 else []
+        kinds += [("fp8+e4m3 partials", p8, dict(scales8, partial_dtype=torch.float8_e4m3fn))] if fp8_partials else []
     for budget, (kind, pk, scales) in [(b, k) for b in budgets for k in kinds]:
+        per_row = HKV * TOPK * (HQ // HKV) * (D * (1 if "partial_dtype" in scales else 2) + 8)
         call = lambda: m3_sparse.kvouter_attention(  # noqa: E731
             pk["q"], pk["k"], pk["v"], sel, pk["bt"], cu_seqlens_q=pk["cu"], used_kv_lens=pk["kv"],
             block_size=BLOCK, max_workspace_bytes=budget, **scales,
@@ -168,12 +178,12 @@ def profile(n, budgets, out_dir, fp8=False):
                 ms[_stage(ev.key)] = ms.get(_stage(ev.key), 0.0) + t / 1e3
         name = "unbounded" if budget >= 1 << 49 else f"{budget / GIB:g}GiB"
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-        (Path(out_dir) / f"profile_{n}_{kind}_{name}.txt").write_text(table)
+        (Path(out_dir) / f"profile_{n}_{kind.replace('+', '_').replace(' ', '_')}_{name}.txt").write_text(table)
         window = min(n, max(1, budget // per_row))
         rows.append(dict(inputs=kind, budget=name, window=window, slices=-(-n // window), wall=wall, **ms))
         print(rows[-1], flush=True)
     dense = None
-    if fp8:
+    if fp8 or fp8_partials:
         del kinds, p8
         torch.cuda.empty_cache()
         dense, _ = dense_cudnn({"q": p["q"], "n_seq": 1, "seq_len": n})
@@ -203,28 +213,30 @@ def main():
                     help="GiB budgets for --profile; small ones give short query windows (below ~0.04 GiB a "
                          "window's partials fit in L2)")
     ap.add_argument("--fp8", action="store_true", help="also run every row with fp8 q/K/V and fp8 index keys")
+    ap.add_argument("--fp8-partials", action="store_true",
+                    help="also run every row with fp8 inputs and e4m3 partials (partial_dtype=float8_e4m3fn)")
     ap.add_argument("--index-scale", default="token", choices=("token", "tensor"),
                     help="fp8 index keys: a scale per token (default) or one for the cache")
     args = ap.parse_args()
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         budgets = [1 << 50 if b == "unbounded" else int(float(b) * GIB) for b in args.profile_budgets.split(",")]
-        profile(131072, budgets, args.out, fp8=args.fp8)
+        profile(131072, budgets, args.out, fp8=args.fp8, fp8_partials=args.fp8_partials)
         return
     rows = []
     default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES
-    kinds = [False, True] if args.fp8 else [False]
+    kinds = ["bf16"] + ["fp8"] * args.fp8 + ["fp8+e4m3 partials"] * args.fp8_partials
     for n in [int(x) for x in args.sizes.split(",")]:
-        for fp8 in kinds:
-            rows.append(measure(n, default, args.dense_max, fp8, args.index_scale))
+        for kind in kinds:
+            rows.append(measure(n, default, args.dense_max, kind, args.index_scale))
             print(rows[-1], flush=True)
     if 131072 in [int(x) for x in args.sizes.split(",")]:
         for b in args.budgets.split(","):
             budget = 1 << 50 if b == "unbounded" else int(float(b) * GIB)
             if budget == default:
                 continue
-            for fp8 in kinds:
-                rows.append(measure(131072, budget, 0, fp8, args.index_scale))
+            for kind in kinds:
+                rows.append(measure(131072, budget, 0, kind, args.index_scale))
                 print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_long_prefill.json").write_text(json.dumps(rows, indent=1))
@@ -235,7 +247,7 @@ def main():
         b = "unbounded" if r["budget"] >= 1 << 49 else f"{r['budget'] / GIB:g} GiB"
         d = f"{r['dense_ms']:.1f}" if r["dense_ms"] else "-"
         ratio = f"{r['dense_ms'] / r['ms']:.1f} ({r['dense_ms'] / r['ms_host_ahead']:.1f})" if r["dense_ms"] else "-"
-        kind = f"fp8 ({r['index_scale']} index scale)" if r["fp8"] else "bf16"
+        kind = f"{r['kind']} ({r['index_scale']} index scale)" if r["index_scale"] else r["kind"]
         print(f"| {r['n']} | {kind} | {b} | {r['ms']:.1f} | {r['ms_host_ahead']:.1f} | {r['peak_gib']:.1f} | {d} | {ratio} |")
 
 

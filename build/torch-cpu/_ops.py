@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_b54faa0af0"
+NAMESPACE = "_m3_sparse_cpu_6a5ccc3293"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -23,15 +23,17 @@ all that hides it (docs/PERF.md, "What limited the per-tile kernel"). Here:
 * the tile's partial rows ``e * G + h`` are consecutive, so a full tile leaves in one
   TMA store of ``[TQ * G, D]`` rows and a short one in one ``[G, D]`` store per entry.
 
-fp8 (e4m3) q, K and V (with their dequantization scales, bf16 or fp16 partials): Q K^T is an
-fp8 MMA on the stored values, the scales fold into the softmax scale and the output; V is
-widened to the partials' dtype in shared memory once per run, so P @ V keeps P's precision.
+fp8 (e4m3) q, K and V (with their dequantization scales): Q K^T is an fp8 MMA on the stored
+values, the scales fold into the softmax scale and the output; V is widened to the output
+dtype (bf16 / fp16) in shared memory once per run, so P @ V keeps P's precision. The
+partials are in the output dtype, or e4m3 (``partial_dtype``): the normalized rows O / l in
+V's units, staged and stored as fp8 (half the bytes; the combine applies V's scale).
 
 Supported (``unsupported_reason`` says why a call does not qualify): Triton 3.6 (the Gluon
 API this kernel is written and tested against), sm_90 CUDA; bf16 / fp16 q, K, V and partials,
-or e4m3 q, K, V with bf16 / fp16 partials; G a power of two in [8, 64] (one tile = 64 rows =
-64 / G tokens), D 64 or 128, blocks of 64 or 128 keys, pages of at least 16; q and the
-caches ``[pages, Hkv, page, D]`` contiguous; metadata int32 or int64.
+or e4m3 q, K, V with a bf16 / fp16 output and partials in it or in e4m3; G a power of two in
+[8, 64] (one tile = 64 rows = 64 / G tokens), D 64 or 128, blocks of 64 or 128 keys, pages of
+at least 16; q and the caches ``[pages, Hkv, page, D]`` contiguous; metadata int32 or int64.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ FILL_ROWS = 64
 NUM_WARPS = 4
 
 
-def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows) -> str | None:
+def unsupported_reason(
+    q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows, partial_dtype=None
+) -> str | None:
     """None when the TMA kernel runs this call, else why not (``engine="auto"`` keeps the
     ``tl`` kernel then). Shape and dtype checks come before the device ones."""
     fp8 = torch.float8_e4m3fn
@@ -74,9 +78,11 @@ def unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_
         return f"needs q, K and V all bf16, all fp16 or all float8_e4m3fn, got {q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
     if q.dtype == fp8:
         if scales is None or out_dtype not in (torch.bfloat16, torch.float16):
-            return "fp8 inputs need their scales and bf16 or fp16 partials"
+            return "fp8 inputs need their scales and a bf16 or fp16 output"
     elif scales is not None or (out_dtype is not None and out_dtype != q.dtype):
         return "partials in q's dtype, no fp8 scales"
+    if partial_dtype not in (None, out_dtype) and q.dtype != fp8:
+        return f"{partial_dtype} partials need float8_e4m3fn q, K and V"
     hq, d = q.shape[1], q.shape[2]
     hkv, page = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -135,7 +141,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _stage_v(v_in, v_smem, blk, kv_len, BS: gl.constexpr, D: gl.constexpr, ot: gl.constexpr, layout: gl.constexpr):
-        """V block as P @ V takes it: rows past the sequence zeroed, in the partials' dtype."""
+        """V block as P @ V takes it: rows past the sequence zeroed, in P @ V's dtype ``ot``."""
         b_v = v_in.load(layout)  # [BS, D]
         v_rows = blk * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, layout))
         b_v = gl.where((v_rows < kv_len)[:, None], b_v.to(ot), gl.zeros([BS, D], ot, layout))
@@ -153,10 +159,11 @@ if HAVE_GLUON:
         qk_scale, scale_ptr,
         G: gl.constexpr, TQ: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, PS: gl.constexpr,
         PB: gl.constexpr, CAUSAL: gl.constexpr, FILL: gl.constexpr, FP8: gl.constexpr,
+        PV_DT: gl.constexpr, PV_LAYOUT: gl.constexpr, NORM: gl.constexpr,
     ):
         BM: gl.constexpr = TQ * G
         dt: gl.constexpr = q_desc.dtype  # q, K, V as stored
-        ot: gl.constexpr = o_desc.dtype  # partials, and P @ V
+        ot: gl.constexpr = o_desc.dtype  # the partials
         pid = gl.program_id(0)
         v_scale = 1.0
         if FP8:
@@ -178,10 +185,10 @@ if HAVE_GLUON:
 
         # Shared memory: K and V blocks [BS, D], a two-slot query ring [2, BM, D], the output
         # staging tile [BM, D]: 112 KB at BS = D = 128 in bf16 (96 KB in fp8, with V's
-        # copy as stored), so two programs fit on an SM.
+        # copy as stored; 88 KB with e4m3 partials), so two programs fit on an SM.
         q_smem = gl.allocate_shared_memory(dt, [2, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dt, [BS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(ot, [BS, D], o_desc.layout)
+        v_smem = gl.allocate_shared_memory(PV_DT, [BS, D], PV_LAYOUT)
         if FP8:
             v_in = gl.allocate_shared_memory(dt, [BS, D], v_desc.layout)
         else:
@@ -257,9 +264,9 @@ if HAVE_GLUON:
                     # Keys past the sequence are masked, but 0 * (stale V) must not be NaN; fp8
                     # V is widened once per run (e4m3 -> bf16 / fp16 is exact).
                     if FP8:
-                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, PV_DT, v_reg_layout)
                     elif blk * BS + BS > kv_len:
-                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, ot, v_reg_layout)
+                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, PV_DT, v_reg_layout)
                     cur_seg = a_seg
                 mbarrier.wait(q_bars.index(slot), (j // 2) & 1)
                 b_s = warpgroup_mma(q_smem.index(slot), k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout),
@@ -294,7 +301,7 @@ if HAVE_GLUON:
             m_safe = gl.where(b_m == float("-inf"), 0.0, b_m)
             b_p = gl.exp2(b_s - m_safe[:, None])  # [BM, BS]
             b_l = gl.sum(b_p, axis=1)  # [BM]
-            p_op = gl.convert_layout(b_p.to(ot), p_layout)
+            p_op = gl.convert_layout(b_p.to(PV_DT), p_layout)
             o_acc = warpgroup_mma(p_op, v_smem, gl.zeros([BM, D], gl.float32, o_layout), use_acc=False, is_async=True)
             # Tile t + 1's scores on the resident K. When tile t + 1 starts a new run (or there
             # is none) they are discarded and its iteration recomputes them; with no tile
@@ -306,7 +313,12 @@ if HAVE_GLUON:
             s_acc = warpgroup_mma(q_smem.index(nslot), k_smem.permute((1, 0)), gl.zeros([BM, BS], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             b_o, p_op = warpgroup_mma_wait(1, deps=[o_acc, p_op])  # [BM, D]; P @ V done, Q K^T may run
-            if FP8:
+            if NORM:
+                # O / l in V's units. bf16 rounding of P can lift a row a hair past V's largest
+                # value; the e4m3 conversion saturates at +-448 (cvt.rn.satfinite), so no clamp.
+                inv_l = gl.convert_layout(1.0 / gl.where(b_l == 0.0, 1.0, b_l), gl.SliceLayout(1, o_layout))
+                b_o = b_o * inv_l[:, None]
+            elif FP8:
                 b_o = b_o * v_scale
 
             tma.store_wait(0)
@@ -355,6 +367,9 @@ if HAVE_GLUON:
             gl.store(pl_ptr + rows1, gl.zeros([FILL], gl.float32, vec_layout), mask=ok1)
 
 
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAVE_GLUON else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(dtype: torch.dtype, d: int):
     # The widest swizzle a row of D elements fills (64-byte rows: D = 64 in fp8).
@@ -377,6 +392,7 @@ def kvouter_partials_tma(
     block_size: int,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The partials of :func:`triton_kvouter.kvouter_partials_triton` on a call that
     ``unsupported_reason`` accepts (the caller checked it); metadata already contiguous."""
@@ -386,11 +402,12 @@ def kvouter_partials_tma(
     tq = TILE_ROWS // group
     cap = index.capacity
     out_dtype = out_dtype or q.dtype
+    partial_dtype = partial_dtype or out_dtype
     fp8 = q.dtype == torch.float8_e4m3fn
-    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, q.device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, partial_dtype, q.device)
     if cap == 0:
         return partial_o, partial_m, partial_l
-    layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(out_dtype, d)
+    layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(partial_dtype, d)
     pb = min(block_size, page_size)
     q2 = q.view(num_tokens * hq, d)
     k2 = k_cache.view(num_pages * hkv * page_size, d)
@@ -410,6 +427,7 @@ def kvouter_partials_tma(
         cap * group, sched.num_programs, hq, hkv,
         float(softmax_scale) * LOG2E, scales if fp8 else partial_m,
         G=group, TQ=tq, D=d, BS=block_size, PS=page_size, PB=pb, CAUSAL=bool(causal), FILL=FILL_ROWS, FP8=fp8,
+        PV_DT=_GL_DTYPES[out_dtype], PV_LAYOUT=_smem_layout(out_dtype, d), NORM=partial_dtype != out_dtype,
         num_warps=NUM_WARPS,
     )
     return partial_o, partial_m, partial_l

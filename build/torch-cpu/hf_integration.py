@@ -257,6 +257,9 @@ def m3_sparse_attention(
 
     history = layer.slots_used if layer is not None else key.shape[2]
     fp8 = layer.kv_scale_args() if layer is not None else {}
+    # Passed only when set, like the scales, so a kernel build that predates it serves the rest.
+    partial_dtype = layer.cache.partial_dtype if layer is not None else None
+    partials = {"partial_dtype": partial_dtype} if partial_dtype is not None else {}
     if block_indices is not None and not every_block_selected(
         history, block_indices.shape[-1], module.config.index_block_size
     ):
@@ -274,6 +277,7 @@ def m3_sparse_attention(
             causal=causal,
             block_size=module.config.index_block_size,
             **fp8,
+            **partials,
         )
     else:
         out, _ = kernel.dense_paged_attention(

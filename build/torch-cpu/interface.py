@@ -15,6 +15,7 @@ from ._validate import (
     check_kv,
     check_positive_int,
     check_scale,
+    check_partial_dtype,
     check_selected_values,
     check_quant,
     check_tensor,
@@ -74,6 +75,7 @@ def kvouter_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, KV-outer.
 
@@ -94,20 +96,26 @@ def kvouter_attention(
     ``v_scale`` (``real = stored * scale``; a float or a one-element tensor on the device;
     default 1). Q @ K^T runs on the fp8 values (fp8 tensor cores when q is fp8 too), P @ V
     in ``out_dtype`` (default bfloat16 for an fp8 q, else q's dtype), which is also the
-    dtype of the partials and the output.
+    dtype of the output.
+
+    ``partial_dtype``: the dtype of the partials between the attention and combine stages,
+    ``out_dtype`` by default. With fp8 caches, ``torch.float8_e4m3fn`` stores them normalized
+    (O / l in V's units) in half the bytes: the largest traffic of the op, at a larger
+    error (docs/PERF.md, "e4m3 partials").
     """
     batch, max_blocks, scale = validate_kvouter(
         q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, page_size, block_size,
         allow_fp8=True,
     )
     scales, out_dtype = check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype)
+    partial_dtype = check_partial_dtype(partial_dtype, v_cache, out_dtype)
     if max_workspace_bytes is not None:
         check_positive_int("max_workspace_bytes", max_workspace_bytes)
     num_tokens, hq, d = q.shape
     triton = use_triton(q, kvouter_unsupported(q, k_cache, block_size, v_cache))
     budget = DEFAULT_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
     slots = selected.shape[1] * selected.shape[2]
-    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, out_dtype.itemsize, budget)
+    chunk = chunk_tokens(num_tokens, slots, hq // k_cache.shape[1], d, partial_dtype.itemsize, budget)
     stage_args = dict(
         softmax_scale=scale,
         causal=causal,
@@ -117,6 +125,7 @@ def kvouter_attention(
         max_blocks=max_blocks,
         scales=scales,
         out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
     if chunk >= num_tokens:
         run = _kvouter_triton if triton else _kvouter_torch
@@ -181,7 +190,7 @@ def _kvouter_triton(
 
 def _kvouter_torch(
     q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, *, softmax_scale, causal, block_size,
-    return_lse, batch, max_blocks, scales=None, out_dtype=None,
+    return_lse, batch, max_blocks, scales=None, out_dtype=None, partial_dtype=None,
 ):
     index = build_kvouter_index(selected, cu_seqlens_q=cu_seqlens_q, max_blocks=max_blocks, batch_size=batch)
     # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.
@@ -198,8 +207,13 @@ def _kvouter_torch(
         block_size=block_size,
         scales=scales,
         out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
-    return combine(partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype, return_lse=return_lse)
+    # Normalized fp8 partials are in V's stored units: V's scale comes in at the merge.
+    o_scale = scales[2:] if partial_o.dtype == torch.float8_e4m3fn else None
+    return combine(
+        partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype, return_lse=return_lse, o_scale=o_scale
+    )
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer
@@ -249,6 +263,7 @@ def sparse_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention with the kernel chosen from host-known shapes: the
     query-outer decode kernel (:func:`sparse_decode_attention`) while sequences bring at
@@ -257,7 +272,9 @@ def sparse_attention(
 
     ``max_seqlen_q``: an upper bound of the query rows of one sequence (a host int; the
     number of query tokens ``Tq`` stands in when it is not given). Never read from the
-    device, so the choice costs no sync and a captured graph keeps it.
+    device, so the choice costs no sync and a captured graph keeps it. ``partial_dtype``
+    applies where KV-outer runs (the decode kernel merges its splits in registers); both
+    branches check it the same way.
     """
     rows = q.shape[0] if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
     kwargs = dict(
@@ -276,8 +293,11 @@ def sparse_attention(
     if rows <= decode_max_queries(q, k_cache, v_cache, block_size, out_dtype):
         from .decode_attention import sparse_decode_attention
 
+        if partial_dtype is not None and isinstance(q, torch.Tensor) and isinstance(v_cache, torch.Tensor):
+            fp8_q = q.dtype == torch.float8_e4m3fn
+            check_partial_dtype(partial_dtype, v_cache, out_dtype or (torch.bfloat16 if fp8_q else q.dtype))
         return sparse_decode_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)
-    return kvouter_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)
+    return kvouter_attention(q, k_cache, v_cache, selected, block_tables, **kwargs, partial_dtype=partial_dtype)
 
 
 def dense_paged_attention(

@@ -6,7 +6,12 @@ query heads of group g of token t against the keys of that block that t may see:
     m[e, h] = max_j s_j,  l[e, h] = sum_j exp(s_j - m),  o[e, h] = sum_j exp(s_j - m) v_j
 
 with ``s_j = scale * <q[t, g*G + h], k_j>``. A row that sees no key, and every
-unused entry, stores ``m = -inf, l = 0, o = 0``. Rows are stored in entry order,
+unused entry, stores ``m = -inf, l = 0, o = 0``.
+
+float8_e4m3fn partials (fp8 caches only) store ``o / l`` instead, in V's stored units
+(without its scale): a convex combination of fp8 values, so within +-448 and never
+rescaled. They halve the partials' bytes, the stage's largest traffic; the combine
+weights them by ``l`` and applies V's scale. Rows are stored in entry order,
 which is the tile order of the schedule, so the GPU kernel writes each tile with
 one contiguous store.
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._launch import fp8_flags
-from ._validate import check_kv, check_positive_int, check_scale, check_varlen
+from ._validate import E4M3_MAX, check_kv, check_partial_dtype, check_positive_int, check_scale, check_varlen
 from .kvouter_index import KVOuterIndex
 from .layout import token_positions
 
@@ -80,23 +85,28 @@ def kvouter_partials(
     block_size: int = 128,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (partial_o [E, G, D] in ``out_dtype`` (default q's), partial_m [E, G] fp32,
+    """Returns (partial_o [E, G, D] in ``partial_dtype``, partial_m [E, G] fp32,
     partial_l [E, G] fp32).
 
     ``scales``: fp32 [3] dequantization scales of q, k, v (fp8 inputs; see
-    ``_validate.check_quant``), or None. As on the GPU, P is rounded to ``out_dtype``
-    before P @ V when the inputs are fp8.
+    ``_validate.check_quant``), or None. ``out_dtype`` (default q's) is the dtype P @ V
+    runs in; as on the GPU, P is rounded to it before P @ V when the inputs are fp8.
+    ``partial_dtype``: ``out_dtype`` (the default) or float8_e4m3fn with fp8 caches
+    (normalized rows, see the module doc).
     """
     validate_partials(q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size)
     _, _, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
+    partial_dtype = check_partial_dtype(partial_dtype, v_cache, out_dtype)
+    normalized = partial_dtype != out_dtype
     num_tokens, hq, d = q.shape
     hkv = k_cache.shape[1]
     page_size = k_cache.shape[2]
     group = hq // hkv
     cap = index.capacity
     device = q.device
-    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, partial_dtype, device)
     sq, sk, sv = (None, None, None) if scales is None else scales.to(device=device, dtype=torch.float32).unbind()
     if cap == 0:
         return partial_o, partial_m, partial_l
@@ -131,7 +141,9 @@ def kvouter_partials(
         heads = g[:, None] * group + torch.arange(group, device=device)[None, :]
         b_q = q[tok_c[:, None], heads].float()  # [C, G, D]
         if scales is not None:
-            b_q, k, v = b_q * sq, k * sk, v * sv
+            b_q, k = b_q * sq, k * sk
+            if not normalized:
+                v = v * sv
         s = torch.einsum("cgd,cbd->cgb", b_q, k) * softmax_scale  # [C, G, B]
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m = s.amax(-1)  # [C, G]
@@ -140,8 +152,10 @@ def kvouter_partials(
         l = p.sum(-1)
         if scales is not None:
             p = p.to(out_dtype).float()
-        o = torch.einsum("cgb,cbd->cgd", p, v)
-        partial_o[e0:e1] = o.to(out_dtype)
+        o = torch.einsum("cgb,cbd->cgd", p, v)  # [C, G, D]
+        if normalized:
+            o = (o / torch.where(empty, 1.0, l)[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+        partial_o[e0:e1] = o.to(partial_dtype)
         partial_m[e0:e1] = m
         partial_l[e0:e1] = l
     return partial_o, partial_m, partial_l

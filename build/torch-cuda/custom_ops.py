@@ -74,6 +74,7 @@ def kvouter_attention_op(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = kvouter_attention(
         q,
@@ -91,13 +92,14 @@ def kvouter_attention_op(
         k_scale=k_scale,
         v_scale=v_scale,
         out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
     return out, lse
 
 
 @kvouter_attention_op.register_fake
 def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
-      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+      q_scale=None, k_scale=None, v_scale=None, out_dtype=None, partial_dtype=None):
     return _fake_attention(q, out_dtype)
 
 
@@ -160,6 +162,7 @@ def sparse_attention_op(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return sparse_attention(
         q,
@@ -178,12 +181,13 @@ def sparse_attention_op(
         k_scale=k_scale,
         v_scale=v_scale,
         out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
 
 
 @sparse_attention_op.register_fake
 def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, max_seqlen_q, softmax_scale, causal,
-      block_size, q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
+      block_size, q_scale=None, k_scale=None, v_scale=None, out_dtype=None, partial_dtype=None):
     return _fake_attention(q, out_dtype)
 
 

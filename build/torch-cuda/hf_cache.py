@@ -364,6 +364,10 @@ class M3PagedCache(Cache):
         k_scale, v_scale: the fixed per-tensor scales of fp8 K/V (positive floats, default 1.0;
             only with ``kv_cache_dtype=torch.float8_e4m3fn``). Choose them so that
             ``|k| / k_scale`` stays within 448.
+        partial_dtype: with fp8 K/V, ``torch.float8_e4m3fn`` makes the sparse layers' KV-outer
+            prefill store its partials normalized in e4m3 (``kvouter_attention``'s
+            ``partial_dtype``): half the bytes of its largest traffic, at a larger error.
+            Default None: partials in the model dtype.
     """
 
     def __init__(
@@ -383,6 +387,7 @@ class M3PagedCache(Cache):
         k_scale: float | None = None,
         v_scale: float | None = None,
         index_k_scale: float | None = None,
+        partial_dtype: torch.dtype | None = None,
     ):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         for name, value in (("batch_size", batch_size), ("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -421,6 +426,15 @@ class M3PagedCache(Cache):
                     f"index_k_scale: expected a positive finite float32 value (in [{fp32.tiny:.3g}, {fp32.max:.3g}]), "
                     f"got {index_k_scale!r}"
                 )
+        if partial_dtype is not None:
+            if FP8_INDEX_DTYPE is None or partial_dtype != FP8_INDEX_DTYPE:
+                raise ValueError(
+                    f"partial_dtype: expected None (the model dtype) or torch.float8_e4m3fn, got {partial_dtype!r}"
+                )
+            if kv_cache_dtype is None:
+                raise ValueError(
+                    "partial_dtype: e4m3 partials are stored in V's fp8 units; pass kv_cache_dtype=torch.float8_e4m3fn too"
+                )
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is None:
                 continue
@@ -441,6 +455,7 @@ class M3PagedCache(Cache):
         self.kv_cache_dtype = kv_cache_dtype
         self.k_scale = float(k_scale) if k_scale is not None else 1.0
         self.v_scale = float(v_scale) if v_scale is not None else 1.0
+        self.partial_dtype = partial_dtype
         self.index_head_dim = getattr(text, "index_head_dim", 0)
         self.pages_per_seq = -(-max_cache_len // page_size)
         if block_tables is None:

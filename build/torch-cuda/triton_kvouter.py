@@ -22,9 +22,11 @@ Partial offsets are 64-bit: at 32K+ tokens the buffer holds more than 2^31 eleme
 
 fp8 (e4m3) inputs: Q @ K^T runs on the stored fp8 values (an fp8 x fp8 MMA when q is fp8,
 else K widened to q's dtype) and the dequantization scales fold into the softmax scale.
-P @ V runs in the partial dtype with V widened in registers (exact for e4m3), then times
-v_scale: fp8 halves the K/V bytes read, while P keeps the partial dtype's precision instead of e4m3's
-three mantissa bits, and V needs no K-major copy for an fp8 MMA.
+P @ V runs in the output dtype with V widened in registers (exact for e4m3), then times
+v_scale: fp8 halves the K/V bytes read, while P keeps the output dtype's precision instead of e4m3's
+three mantissa bits, and V needs no K-major copy for an fp8 MMA. float8_e4m3fn partials
+(``partial_dtype``) store the normalized rows O / l in V's units instead (the combine applies
+v_scale), which halves the bytes of the partials, written here and read again by the combine.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms
+from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
+from ._validate import check_partial_dtype
 from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
@@ -154,12 +157,24 @@ def _load_kv(
 
 
 @triton.jit
+def _snap_e4m3(x):
+    """``x`` (within +-448) rounded to the e4m3 grid in fp32, ties away from zero. Triton's
+    interpreter (3.9) converts fp32 to e4m3 wrongly when rounding carries into the exponent
+    (1.97 -> 1.0); values already on the grid convert exactly."""
+    ax = tl.abs(x)
+    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(ax, 1e-30))), -6.0) - 3.0)  # 3 mantissa bits
+    r = tl.floor(ax / step + 0.5) * step
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _attend_rows(
     q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v,
     g, blk, e0, e1, tok, kv_len, pos_base,
     stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    PV_DT: tl.constexpr, NORM: tl.constexpr,
 ):
     """One tile against a loaded K/V block: gather its queries, one softmax step, store."""
     d_ok = offs_d < D
@@ -169,7 +184,6 @@ def _attend_rows(
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
     if UPCAST:
         b_q = b_q.to(tl.float32)
-    pv_dt = po_ptr.dtype.element_ty  # P @ V runs in the partials' dtype
     b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok
@@ -188,10 +202,17 @@ def _attend_rows(
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
     b_l = tl.sum(b_p, 1)  # [BM]
     if UPCAST:
-        b_o = tl.dot(b_p.to(pv_dt).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
+        b_o = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
     else:
-        b_o = tl.dot(b_p.to(pv_dt), b_v.to(pv_dt), input_precision=PREC)  # [BM, BD]
-    if KV_FP8:
+        b_o = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [BM, BD]
+    if NORM:
+        # Normalized rows in V's stored units. bf16 rounding of P can lift one a hair past V's
+        # largest value: the GPU's e4m3 conversion saturates at +-448 (cvt.rn.satfinite);
+        # the interpreter's does not, and rounds wrongly, so there the kernel does both.
+        b_o = b_o / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
+        if UPCAST:  # the interpreter
+            b_o = _snap_e4m3(tl.clamp(b_o, -448.0, 448.0))
+    elif KV_FP8:
         b_o = b_o * v_scale
 
     # Rows e * G + h of consecutive entries are consecutive rows of the buffer.
@@ -210,6 +231,7 @@ def _tile_attend(
     nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr, KV_FP8: tl.constexpr,
+    PV_DT: tl.constexpr, NORM: tl.constexpr,
 ):
     """One tile, its K/V block read for it alone."""
     g = seg // nbg
@@ -221,7 +243,7 @@ def _tile_attend(
     _attend_rows(
         q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v, g, blk, e0, e1, tok, kv_len, pos_base,
         stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-        G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8,
+        G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8, PV_DT, NORM,
     )
 
 
@@ -274,6 +296,8 @@ def _kvouter_partials_kernel(
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
     WIDEN_K: tl.constexpr,
+    PV_DT: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     BM: tl.constexpr = TQ * GP
     pid = tl.program_id(0)
@@ -315,7 +339,7 @@ def _kvouter_partials_kernel(
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                 nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8, PV_DT, NORM,
             )
             seg, e0, e1 = n_seg, n_e0, n_e1
             tok, page, kv_len, pos_base = n_tok, n_page, n_kv_len, n_pos_base
@@ -349,7 +373,7 @@ def _kvouter_partials_kernel(
                 _attend_rows(
                     q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v, g, blk, e0, e1, tok, kv_len, pos_base,
                     stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                    G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8,
+                    G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8, PV_DT, NORM,
                 )
             tile += run
     else:
@@ -366,7 +390,7 @@ def _kvouter_partials_kernel(
                 seg, e0, e1, tok, page, kv_len, pos_base,
                 stride_qt, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
                 nbg, max_blocks, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8,
+                G, D, BS, PS, CAUSAL, PREC, UPCAST, WIDEN_K, KV_FP8, PV_DT, NORM,
             )
 
     # Unused entries (past seg_offsets[-1]) belong to no tile: the programs clear them
@@ -386,7 +410,8 @@ def _kvouter_partials_kernel(
 
 
 def tma_reason(
-    q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows, engine=None, tl_settings=False
+    q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows, engine=None, tl_settings=False,
+    partial_dtype=None,
 ) -> str | None:
     """Why the partials of such a call would not run the TMA kernel under ``engine`` (default
     ``ATTN_CONFIG["engine"]``), or None when they would: the one place that decides, for the
@@ -400,7 +425,7 @@ def tma_reason(
         return "num_warps / num_stages / maxnreg / loop set the 'triton' kernel"
     from .gluon_kvouter import unsupported_reason
 
-    return unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows)
+    return unsupported_reason(q, k_cache, v_cache, block_size, out_dtype, scales, tile_q, partial_rows, partial_dtype)
 
 
 def kvouter_partials_triton(
@@ -423,9 +448,12 @@ def kvouter_partials_triton(
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     engine: str | None = None,
+    partial_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (partial_o [E, G, D] in ``out_dtype`` (default q's), partial_m [E, G] fp32,
-    partial_l [E, G] fp32). ``scales``: fp32 [3] (q, k, v) for fp8 inputs (``_validate.check_quant``).
+    """Returns (partial_o [E, G, D] in ``partial_dtype``, partial_m [E, G] fp32, partial_l
+    [E, G] fp32). ``scales``: fp32 [3] (q, k, v) for fp8 inputs (``_validate.check_quant``);
+    ``out_dtype`` (default q's): P @ V's dtype; ``partial_dtype``: ``out_dtype`` (default) or
+    float8_e4m3fn with fp8 caches (normalized rows, ``kvouter_attention.kvouter_partials``).
 
     ``engine`` (default ``ATTN_CONFIG["engine"]``): see ENGINES. ``"tma"`` on a call the TMA
     kernel cannot run raises a ValueError that says why; ``num_warps`` / ``num_stages`` /
@@ -452,19 +480,22 @@ def kvouter_partials_triton(
         raise ValueError(f"sched.tile_q = {sched.tile_q}: at most {max(1, 2 * TILE_ROWS // gp)} tokens per tile for G = {group}")
     engine = ATTN_CONFIG["engine"] if engine is None else engine
     tl_settings = (num_warps, num_stages, maxnreg, loop) != (None, None, None, None)
-    why = tma_reason(q, k_cache, v_cache, block_size, out_dtype, scales, sched.tile_q, cap * group, engine, tl_settings)
+    q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
+    partial_dtype = check_partial_dtype(partial_dtype, v_cache, out_dtype)
+    why = tma_reason(
+        q, k_cache, v_cache, block_size, out_dtype, scales, sched.tile_q, cap * group, engine, tl_settings, partial_dtype
+    )
     if why is None:
         from .gluon_kvouter import kvouter_partials_tma
 
         return kvouter_partials_tma(
             q, k_cache, v_cache, index, sched, block_tables, cu_seqlens_q=cu_seqlens_q,
             used_kv_lens=used_kv_lens, softmax_scale=softmax_scale, causal=causal, block_size=block_size,
-            scales=scales, out_dtype=out_dtype,
+            scales=scales, out_dtype=out_dtype, partial_dtype=partial_dtype,
         )
     if engine == "tma":
         raise ValueError(f"engine='tma': {why}")
-    q_fp8, kv_fp8, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
-    partial_o, partial_m, partial_l = empty_partials(cap, group, d, out_dtype, device)
+    partial_o, partial_m, partial_l = empty_partials(cap, group, d, partial_dtype, device)
     if cap == 0:
         return partial_o, partial_m, partial_l
     # An fp8 MMA reduces over at least 32 elements: pad the head dim's tile (masked) to 32.
@@ -481,8 +512,9 @@ def kvouter_partials_triton(
         raise ValueError(f"loop: one of {sorted(LOOPS)}, got {loop!r}")
     extra = {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
     # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
-    # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
+    # rounded operands give the GPU kernel's result. (It also rounds to e4m3 wrongly, which
+    # the same flag works around for e4m3 partials.)
+    upcast = interpreting() and (torch.bfloat16 in (q.dtype, out_dtype) or partial_dtype != out_dtype)
     grid = (sched.num_programs,)
     _kvouter_partials_kernel[grid](
         q,
@@ -532,6 +564,8 @@ def kvouter_partials_triton(
         Q_FP8=q_fp8,
         KV_FP8=kv_fp8,
         WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PV_DT=tl_dtype(out_dtype),
+        NORM=partial_dtype != out_dtype,
         num_warps=num_warps,
         num_stages=num_stages,
         **extra,
@@ -587,6 +621,7 @@ def kvouter_attention_triton(
 def run_kvouter_triton(
     q, k_cache, v_cache, selected, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
     return_lse, batch, max_blocks, tile_q=None, num_programs=None, out=None, lse=None, scales=None, out_dtype=None,
+    partial_dtype=None,
 ):
     """The stages of :func:`kvouter_attention_triton` on arguments already checked by
     ``interface.validate_kvouter`` (whose batch size, blocks per sequence and scale it takes)."""
@@ -613,8 +648,11 @@ def run_kvouter_triton(
         block_size=block_size,
         scales=scales,
         out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
+    # Normalized fp8 partials are in V's stored units: V's scale comes in at the merge.
+    o_scale = scales[2:] if partial_o.dtype == torch.float8_e4m3fn else None
     return combine_triton(
         partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype or q.dtype, return_lse=return_lse, out=out,
-        lse=lse,
+        lse=lse, o_scale=o_scale,
     )

@@ -57,9 +57,11 @@ def index_builder(k, topk, chunk=None, key64=False):
         cx = dict(C=512 // topk, BB=2, BLK=tidx.SCAN_BLOCKS, U=tidx.SCAN_CHUNKS)
     return build(k, cx, ptrs)
 
-def partials(dtype="bf16", kv="bf16", po="bf16", **kw):
+def partials(dtype="bf16", kv="bf16", po="bf16", pv=None, **kw):
+    # pv: the dtype P @ V runs in (the partials' unless they are e4m3).
+    dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False, LOOP=1,
-              FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False)
+              FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[pv or po], NORM=False)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "entry_token_ptr", "seg_offsets_ptr", "tile_seg_ptr",
                              "tile_start_ptr", "tile_end_ptr", "prog_tiles_ptr")}
@@ -151,9 +153,16 @@ cases = {
     "partials fp8 K/V, bf16 q": lambda: partials("bf16", F8, "bf16", KV_FP8=True, WIDEN_K=True),
     "partials fp8 q/K/V D16 (padded tile)": lambda: partials(F8, F8, "fp16", D=16, BD=32, Q_FP8=True, KV_FP8=True),
     "partials fp8 K/V, fp32 q": lambda: partials("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
-    "combine": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1, RETURN_LSE=True),
+    "partials fp8 q/K/V, e4m3 partials": lambda: partials(F8, F8, F8, pv="bf16", Q_FP8=True, KV_FP8=True, NORM=True,
+                                                          LOOP=2),
+    "combine": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1, RETURN_LSE=True,
+                                                         NORM=False, SCALE=False),
                              {"po_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
-                              "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
+                              "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_ptr": "*fp32"}),
+    "combine, e4m3 partials": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1,
+                                                                        RETURN_LSE=False, NORM=True, SCALE=True),
+                                            {"po_ptr": "*" + F8, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
+                                             "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_ptr": "*fp32"}),
     "dense prefill": lambda: dense(),
     "dense prefill, gathered K/V": lambda: dense(TMA=False),
     "dense decode split": lambda: dense(TM=1, final=False),

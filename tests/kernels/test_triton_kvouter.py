@@ -170,7 +170,8 @@ from m3_sparse import triton_kvouter as tkv
 
 k = tkv._kvouter_partials_kernel
 cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
-          LOOP=tkv.LOOPS["resident"], FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False)
+          LOOP=tkv.LOOPS["resident"], FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False,
+          PV_DT=triton.language.bfloat16, NORM=False)
 names = list(k.arg_names)
 ptrs = {n for n in names if n.endswith("_ptr")}
 types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "po_ptr": "*bf16", "pm_ptr": "*fp32",

@@ -233,6 +233,28 @@ def check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype):
     return scales, out_dtype
 
 
+# Largest finite float8_e4m3fn value: normalized partials (O / l) of fp8 V stay within it.
+E4M3_MAX = 448.0
+
+
+def check_partial_dtype(partial_dtype, v_cache, out_dtype):
+    """The dtype of the KV-outer partials: ``out_dtype`` (raw O rows, the default) or
+    float8_e4m3fn, which only fp8 caches take: the rows are then stored normalized (O / l,
+    in V's stored units, so within +-448) and the combine applies V's scale."""
+    if partial_dtype is None or partial_dtype == out_dtype:
+        return out_dtype
+    if partial_dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"partial_dtype: expected None, the output dtype ({_name(out_dtype)}) or float8_e4m3fn, got {partial_dtype}"
+        )
+    if v_cache.dtype not in FP8_DTYPES:
+        raise ValueError(
+            "partial_dtype=float8_e4m3fn: needs float8_e4m3fn caches (the partials are stored in V's fp8 units), "
+            f"got v_cache {_name(v_cache.dtype)}"
+        )
+    return partial_dtype
+
+
 def check_scale(softmax_scale, d):
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)

@@ -5,19 +5,23 @@
 
 Empty slots (``slot_of == -1``) contribute nothing; a row with no key at all
 gets ``O = 0`` and ``lse = -inf``.
+
+float8_e4m3fn partials are normalized (``O_s / l_s``, see ``kvouter_attention``): their
+weight is ``a_s l_s``. ``o_scale`` (V's dequantization scale there) multiplies the result.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._validate import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, value_checks_enabled
+from ._validate import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor, value_checks_enabled
 
 TOKEN_CHUNK = 256
 
 
-def validate_combine(partial_o, partial_m, partial_l, slot_of) -> None:
-    check_tensor("partial_o", partial_o, ndim=3, dtypes=FLOAT_DTYPES)
+def validate_combine(partial_o, partial_m, partial_l, slot_of, o_scale=None, out_dtype=None) -> torch.dtype:
+    """Checks of :func:`combine`; returns the output dtype."""
+    check_tensor("partial_o", partial_o, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     device = partial_o.device
     rows = tuple(partial_o.shape[:2])
     for name, t in (("partial_m", partial_m), ("partial_l", partial_l)):
@@ -30,6 +34,15 @@ def validate_combine(partial_o, partial_m, partial_l, slot_of) -> None:
         if lo < -1 or hi >= rows[0]:
             bad = lo if lo < -1 else hi
             raise ValueError(f"slot_of: entry {bad} out of range; expected -1 or an entry in [0, {rows[0]})")
+    if o_scale is not None:
+        check_tensor("o_scale", o_scale, dtypes=(torch.float32,), device=device)
+        if o_scale.numel() != 1:
+            raise ValueError(f"o_scale: expected one float32 value, got shape {tuple(o_scale.shape)}")
+    if out_dtype is None:
+        return torch.bfloat16 if partial_o.dtype in FP8_DTYPES else partial_o.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of (bfloat16, float16, float32), got {out_dtype}")
+    return out_dtype
 
 
 def combine(
@@ -40,14 +53,17 @@ def combine(
     *,
     out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
+    o_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
-    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None)."""
-    validate_combine(partial_o, partial_m, partial_l, slot_of)
+    (out [Tq, Hkv*G, D] in ``out_dtype`` (default partial_o's, bfloat16 for fp8 partials),
+    lse [Hkv*G, Tq] fp32 or None). ``o_scale``: a one-element fp32 tensor or None (1)."""
+    out_dtype = validate_combine(partial_o, partial_m, partial_l, slot_of, o_scale, out_dtype)
+    normalized = partial_o.dtype in FP8_DTYPES
     num_tokens, hkv, topk = slot_of.shape
     _, group, d = partial_o.shape
     device = partial_o.device
-    out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
+    out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype, device=device)
     lse = torch.empty(hkv * group, num_tokens, dtype=torch.float32, device=device) if return_lse else None
     for t0 in range(0, num_tokens, TOKEN_CHUNK):
         t1 = min(t0 + TOKEN_CHUNK, num_tokens)
@@ -61,9 +77,12 @@ def combine(
         empty = big_m == float("-inf")
         a = torch.exp(m - torch.where(empty, 0.0, big_m)[:, :, None, :])  # [C, Hkv, K, G]
         a = a.masked_fill(m == float("-inf"), 0.0)
+        w = a * l if normalized else a  # [C, Hkv, K, G]
         l_tot = (a * l).sum(2)  # [C, Hkv, G]
-        o_tot = (a[..., None] * o).sum(2)  # [C, Hkv, G, D]
+        o_tot = (w[..., None] * o).sum(2)  # [C, Hkv, G, D]
         o_tot = o_tot / torch.where(empty, 1.0, l_tot)[..., None]
+        if o_scale is not None:
+            o_tot = o_tot * o_scale.reshape(())
         o_tot = o_tot.masked_fill(empty[..., None], 0.0)
         out[t0:t1] = o_tot.reshape(t1 - t0, hkv * group, d).to(out.dtype)
         if lse is not None:

@@ -6,7 +6,8 @@ Same contract as :func:`combine.combine` (the oracle):
     O = sum_s a_s O_s / l,  lse = M + log l
 
 Empty slots (``slot_of == -1``) and partials that saw no key (m = -inf) contribute
-nothing; a row with no key at all gets ``O = 0`` and ``lse = -inf``.
+nothing; a row with no key at all gets ``O = 0`` and ``lse = -inf``. float8_e4m3fn
+partials are normalized rows (weight ``a_s l_s``); ``o_scale`` multiplies the result.
 
 One program per (block of tokens, kv head): rows are (token, head of the group)
 pairs, so a slot's G partial rows are one contiguous G x D read. The merge takes
@@ -48,6 +49,7 @@ def _combine_kernel(
     slot_ptr,
     out_ptr,
     lse_ptr,
+    scale_ptr,
     num_tokens,
     stride_st,
     stride_sg,
@@ -62,6 +64,8 @@ def _combine_kernel(
     BD: tl.constexpr,
     BT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    NORM: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     BR: tl.constexpr = BT * GP
     pid_t = tl.program_id(0)
@@ -98,9 +102,13 @@ def _combine_kernel(
         # exp2(-inf) = 0 drops empty slots and partials that saw no key.
         b_a = tl.exp2((b_m - m_safe) * 1.4426950408889634)  # [BR]
         b_l += b_a * b_ls
+        if NORM:
+            b_a = b_a * b_ls
         b_acc += b_a[:, None] * b_o.to(tl.float32)  # [BR, BD]
 
     b_out = b_acc / tl.where(empty, 1.0, b_l)[:, None]
+    if SCALE:
+        b_out = b_out * tl.load(scale_ptr)
     p_out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + (g * G + head).to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
     tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
@@ -120,9 +128,11 @@ def combine_triton(
     num_warps: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    o_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """partial_o [E, G, D], partial_m/l [E, G], slot_of [Tq, Hkv, topk] ->
-    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None).
+    (out [Tq, Hkv*G, D], lse [Hkv*G, Tq] fp32 or None); ``out_dtype`` and ``o_scale`` as in
+    :func:`combine.combine`.
 
     ``out`` / ``lse`` may be given (views into larger buffers, as the chunked
     KV-outer driver passes): ``out`` with a contiguous head dim, ``lse`` with a
@@ -132,8 +142,16 @@ def combine_triton(
     if not (partial_o.is_contiguous() and partial_m.is_contiguous() and partial_l.is_contiguous()):
         raise ValueError("partial_o/partial_m/partial_l: expected contiguous tensors")
     device = partial_o.device
+    normalized = partial_o.dtype == torch.float8_e4m3fn
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if normalized else partial_o.dtype
+    if o_scale is not None and (o_scale.numel() != 1 or o_scale.dtype != torch.float32 or o_scale.device != device):
+        raise ValueError(
+            f"o_scale: expected one float32 value on {device}, got {o_scale.dtype} {tuple(o_scale.shape)} "
+            f"on {o_scale.device}"
+        )
     if out is None:
-        out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype or partial_o.dtype, device=device)
+        out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype, device=device)
     elif tuple(out.shape) != (num_tokens, hkv * group, d) or out.stride(2) != 1:
         raise ValueError(
             f"out: expected shape {(num_tokens, hkv * group, d)} with stride 1 in the last dim, "
@@ -163,6 +181,7 @@ def combine_triton(
         slot_of,
         out,
         lse if lse is not None else out,
+        o_scale if o_scale is not None else partial_m,
         num_tokens,
         slot_of.stride(0),
         slot_of.stride(1),
@@ -177,6 +196,8 @@ def combine_triton(
         BD=bd,
         BT=bt,
         RETURN_LSE=return_lse,
+        NORM=normalized,
+        SCALE=o_scale is not None,
         num_warps=num_warps,
     )
     return out, lse
