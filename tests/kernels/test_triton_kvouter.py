@@ -366,7 +366,9 @@ def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_d
     if kw.get("strided"):
         q = torch.empty(3, hq, 2 * d, dtype=dtype)[..., :d]
     k = torch.empty(pages, hkv, page, d, dtype=kv_dtype or dtype)
-    return gkv.unsupported_reason(q, k, k, block, kw.get("out_dtype"), kw.get("scales"), tile_q, kw.get("rows", 10))
+    return gkv.unsupported_reason(
+        q, k, k, block, kw.get("out_dtype"), kw.get("scales"), tile_q, kw.get("rows", 10), kw.get("partial_dtype")
+    )
 
 
 @pytest.mark.parametrize(
@@ -378,7 +380,8 @@ def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_d
         (dict(dtype=torch.float8_e4m3fn), "fp8 inputs need their scales"),
         (dict(dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), "fp8 inputs need their scales"),
         (dict(scales=1), "no fp8 scales"),
-        (dict(dtype=torch.float8_e4m3fn, scales=1, out_dtype=torch.float8_e4m3fn), "bf16 or fp16 partials"),
+        (dict(dtype=torch.float8_e4m3fn, scales=1, out_dtype=torch.float8_e4m3fn), "a bf16 or fp16 output"),
+        (dict(partial_dtype=torch.float8_e4m3fn), "float8_e4m3fn partials need float8_e4m3fn q, K and V"),
         (dict(hq=16), "GQA group in \\[8, 64\\], got 4"),
         (dict(hq=48, hkv=4), "got 12"),
         (dict(tile_q=8), "at most 4 tokens"),
