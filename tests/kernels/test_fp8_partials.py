@@ -14,6 +14,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -238,6 +240,59 @@ def test_rows_at_the_largest_value_saturate_not_overflow(impl, monkeypatch):
     seen = ref_o.abs().amax(-1) > 0
     assert seen.any()
     assert_close("out", ref_o[seen], out.float()[seen], 2 * TOLERANCES[BF16])
+
+
+# Drawn cases: on CUDA they include shapes the TMA kernel takes (G 8 / 16, D 64 / 128, blocks
+# of 64 / 128 keys, fp8 q).
+PROPERTY_EXAMPLES = 30 if HAS_CUDA else 10
+
+
+@st.composite
+def fp8_cases(draw):
+    rows = 150 if HAS_CUDA else 24
+    seqs = []
+    for _ in range(draw(st.integers(1, 3))):
+        kv = draw(st.integers(1, 300))
+        seqs.append((kv, draw(st.integers(1, min(kv, rows)))))
+    return {
+        "seed": draw(st.integers(0, 2**32 - 1)),
+        "seqs": seqs,
+        "page_size": draw(st.sampled_from([16, 32, 64, 128] if HAS_CUDA else [16, 32, 64])),
+        "block_size": draw(st.sampled_from([16, 64, 128] if HAS_CUDA else [16, 32, 64])),
+        "topk": draw(st.integers(1, 6)),
+        "hkv": draw(st.sampled_from([1, 2])),
+        "group": draw(st.sampled_from([1, 8, 16] if HAS_CUDA else [1, 4, 8])),
+        "d": draw(st.sampled_from([32, 64, 128] if HAS_CUDA else [16, 32])),
+        "causal": draw(st.booleans()),
+        "fp8_q": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=PROPERTY_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(c=fp8_cases())
+def test_error_stays_within_the_e4m3_rounding_of_each_row(c):
+    """Elementwise: an output is a weighted mean of its partial rows, each rounded to e4m3 (at
+    most 2^-4 of its value, or half a subnormal step), so its error is at most about 2^-4 of
+    the same mean of |V| (attention over |V|), plus bf16's rounding of P and of the output:
+    a bound no cancellation between rows can break. Rows that see no key are exactly 0."""
+    batch, sel, (q8, k8, v8), (qs, ks, vs) = problem(
+        c["seed"], seqs=c["seqs"], page_size=c["page_size"], hq=c["hkv"] * c["group"], hkv=c["hkv"], d=c["d"],
+        topk=c["topk"], block_size=c["block_size"], causal=c["causal"],
+    )  # fmt: skip
+    q_in = q8 if c["fp8_q"] else (q8.float() * qs).to(BF16)
+    with pytest.MonkeyPatch.context() as mp:
+        out, lse = run_op(batch, sel, (q_in, k8, v8), (qs, ks, vs), "triton", mp, block_size=c["block_size"],
+                          causal=c["causal"])  # fmt: skip
+    ref_o, ref_lse = oracle(batch, sel, (q_in, k8, v8), (qs, ks, vs), c["causal"], c["block_size"], c["fp8_q"])
+    abs_o, _ = oracle(batch, sel, (q_in, k8, v8.float().abs().to(FP8)), (qs, ks, vs), c["causal"], c["block_size"],
+                      c["fp8_q"])  # fmt: skip
+    bound = 0.08 * abs_o + 2e-3 * vs
+    excess = (out.float() - ref_o).abs() - bound
+    assert excess.max() <= 0, f"error past the e4m3 bound by {float(excess.max()):.3g} at {int(excess.argmax())}"
+    empty = (ref_lse == float("-inf")).T  # [Tq, Hq]
+    assert torch.all(out[empty] == 0)
+    assert_close("lse", ref_lse, lse, fp8_lse_tol(q_in))
 
 
 def bad_calls():
