@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_6a5ccc3293"
+NAMESPACE = "_m3_sparse_cpu_6086159ffb"
 
 ops = getattr(torch.ops, NAMESPACE)
 

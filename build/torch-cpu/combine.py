@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor, value_checks_enabled
+from ._validate import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor, default_out_dtype, value_checks_enabled
 
 TOKEN_CHUNK = 256
 
@@ -39,10 +39,17 @@ def validate_combine(partial_o, partial_m, partial_l, slot_of, o_scale=None, out
         if o_scale.numel() != 1:
             raise ValueError(f"o_scale: expected one float32 value, got shape {tuple(o_scale.shape)}")
     if out_dtype is None:
-        return torch.bfloat16 if partial_o.dtype in FP8_DTYPES else partial_o.dtype
+        return default_out_dtype(partial_o.dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of (bfloat16, float16, float32), got {out_dtype}")
     return out_dtype
+
+
+def merge_scale(partial_o: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor | None:
+    """``o_scale`` for partials from the attention stage with fp32 [3] (q, k, v) ``scales``:
+    e4m3 partials are in V's stored units, so V's scale comes in at the merge; other
+    partials already carry it."""
+    return scales[2:] if partial_o.dtype in FP8_DTYPES else None
 
 
 def combine(
@@ -77,8 +84,9 @@ def combine(
         empty = big_m == float("-inf")
         a = torch.exp(m - torch.where(empty, 0.0, big_m)[:, :, None, :])  # [C, Hkv, K, G]
         a = a.masked_fill(m == float("-inf"), 0.0)
-        w = a * l if normalized else a  # [C, Hkv, K, G]
-        l_tot = (a * l).sum(2)  # [C, Hkv, G]
+        al = a * l  # [C, Hkv, K, G]
+        w = al if normalized else a
+        l_tot = al.sum(2)  # [C, Hkv, G]
         o_tot = (w[..., None] * o).sum(2)  # [C, Hkv, G, D]
         o_tot = o_tot / torch.where(empty, 1.0, l_tot)[..., None]
         if o_scale is not None:

@@ -24,11 +24,12 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ._validate import E4M3_MAX
+
 ATTN_IMPLEMENTATION = "m3_sparse"
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
-FP8_MAX = 448.0  # largest finite e4m3fn value
 
 # id(page pool) -> layer, so the attention function can tell that the K/V it was
 # handed are the pools of a paged layer (identity is verified on lookup).
@@ -87,10 +88,10 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     would make the key's codes meaningless and 0/0 would give NaN codes.
     """
     k = keys.float()
-    scales = (k.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scales = (k.abs().amax(-1) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     # Rounding of the division can overshoot 448 by an ulp; e4m3fn has no inf, and
     # an out-of-range cast is NaN on some backends.
-    codes = (k / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_INDEX_DTYPE)
+    codes = (k / scales[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_INDEX_DTYPE)
     return codes, scales
 
 
@@ -225,7 +226,7 @@ class M3PagedLayer(CacheLayerMixin):
         # fp8 K/V, or fp8 index keys with one scale: e4m3 codes of states / scale, saturated
         # at e4m3's largest value.
         if scale is not None:
-            states = (states.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+            states = (states.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
         if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
             pool.permute(0, 2, 1, 3).index_put_((page, slot), states.transpose(1, 2).to(pool.dtype))
         else:  # index keys: [pages, page_size, D], one shared head

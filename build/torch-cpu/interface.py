@@ -17,12 +17,13 @@ from ._validate import (
     check_scale,
     check_partial_dtype,
     check_selected_values,
+    default_out_dtype,
     check_quant,
     check_tensor,
     check_varlen,
 )
 from ._dispatch import dense_unsupported, kvouter_unsupported, use_triton
-from .combine import combine
+from .combine import combine, merge_scale
 from .dense_attention import dense_paged_attention_torch
 from .kvouter_attention import kvouter_partials
 from .kvouter_index import build_kvouter_index
@@ -209,10 +210,9 @@ def _kvouter_torch(
         out_dtype=out_dtype,
         partial_dtype=partial_dtype,
     )
-    # Normalized fp8 partials are in V's stored units: V's scale comes in at the merge.
-    o_scale = scales[2:] if partial_o.dtype == torch.float8_e4m3fn else None
     return combine(
-        partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype, return_lse=return_lse, o_scale=o_scale
+        partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype, return_lse=return_lse,
+        o_scale=merge_scale(partial_o, scales),
     )
 
 
@@ -294,8 +294,7 @@ def sparse_attention(
         from .decode_attention import sparse_decode_attention
 
         if partial_dtype is not None and isinstance(q, torch.Tensor) and isinstance(v_cache, torch.Tensor):
-            fp8_q = q.dtype == torch.float8_e4m3fn
-            check_partial_dtype(partial_dtype, v_cache, out_dtype or (torch.bfloat16 if fp8_q else q.dtype))
+            check_partial_dtype(partial_dtype, v_cache, out_dtype or default_out_dtype(q.dtype))
         return sparse_decode_attention(q, k_cache, v_cache, selected, block_tables, **kwargs)
     return kvouter_attention(q, k_cache, v_cache, selected, block_tables, **kwargs, partial_dtype=partial_dtype)
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ._launch import contiguous, fp8_flags, interpreting, next_pow2, num_sms, tl_dtype
 from ._validate import check_partial_dtype
+from .combine import merge_scale
 from .kvouter_attention import empty_partials
 from .kvouter_index import KVOuterIndex
 from .scheduler import Schedule
@@ -650,9 +651,7 @@ def run_kvouter_triton(
         out_dtype=out_dtype,
         partial_dtype=partial_dtype,
     )
-    # Normalized fp8 partials are in V's stored units: V's scale comes in at the merge.
-    o_scale = scales[2:] if partial_o.dtype == torch.float8_e4m3fn else None
     return combine_triton(
         partial_o, partial_m, partial_l, index.slot_of, out_dtype=out_dtype or q.dtype, return_lse=return_lse, out=out,
-        lse=lse, o_scale=o_scale,
+        lse=lse, o_scale=merge_scale(partial_o, scales),
     )

@@ -220,7 +220,7 @@ def check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype):
             raise ValueError(f"out_dtype: only fp8 inputs take another output dtype; the output is q's {_name(q.dtype)}")
         return None, q.dtype
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if fp8_q else q.dtype
+        out_dtype = default_out_dtype(q.dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of (bfloat16, float16, float32), got {out_dtype}")
     scales = torch.empty(3, dtype=torch.float32, device=q.device)
@@ -233,8 +233,15 @@ def check_quant(q, k_cache, q_scale, k_scale, v_scale, out_dtype):
     return scales, out_dtype
 
 
-# Largest finite float8_e4m3fn value: normalized partials (O / l) of fp8 V stay within it.
+# Largest finite float8_e4m3fn value (fp8 caches are saturated at it; normalized partials
+# (O / l) of fp8 V stay within it).
 E4M3_MAX = 448.0
+
+
+def default_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output of an op on ``dtype`` inputs (q, or partials) when none is asked for:
+    bfloat16 for float8_e4m3fn, else the same dtype."""
+    return torch.bfloat16 if dtype in FP8_DTYPES else dtype
 
 
 def check_partial_dtype(partial_dtype, v_cache, out_dtype):

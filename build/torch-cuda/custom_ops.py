@@ -12,6 +12,7 @@ import torch
 from torch.library import custom_op
 
 from ._ops import NAMESPACE
+from ._validate import default_out_dtype
 from .decode_attention import sparse_decode_attention
 from .index_topk import index_topk
 from .interface import dense_paged_attention, kvouter_attention, sparse_attention
@@ -20,7 +21,7 @@ from .interface import dense_paged_attention, kvouter_attention, sparse_attentio
 def _fake_attention(q: torch.Tensor, out_dtype: torch.dtype | None):
     """(out, lse) of an attention op: out in ``out_dtype`` (default q's, bfloat16 for an fp8 q)."""
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+        out_dtype = default_out_dtype(q.dtype)
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._launch import next_pow2
+from ._validate import default_out_dtype
 
 
 # Launch settings (the benchmark's --tune overrides them): rows (token x head pairs)
@@ -144,7 +145,7 @@ def combine_triton(
     device = partial_o.device
     normalized = partial_o.dtype == torch.float8_e4m3fn
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if normalized else partial_o.dtype
+        out_dtype = default_out_dtype(partial_o.dtype)
     if o_scale is not None and (o_scale.numel() != 1 or o_scale.dtype != torch.float32 or o_scale.device != device):
         raise ValueError(
             f"o_scale: expected one float32 value on {device}, got {o_scale.dtype} {tuple(o_scale.shape)} "
