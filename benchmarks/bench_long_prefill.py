@@ -7,13 +7,16 @@ length, and at 128K the effect of the workspace budget (query slices) on speed.
     python3 benchmarks/bench_long_prefill.py --fp8 --sizes 32768,131072 --budgets 4,unbounded
     python3 benchmarks/bench_long_prefill.py --profile --fp8 --profile-budgets 4   # attention alone, by stage
     python3 benchmarks/bench_long_prefill.py --fp8 --fp8-partials --sizes 131072 --budgets 4
+    python3 benchmarks/bench_long_prefill.py --profile --fp8-pages --profile-budgets 4   # bf16 q, fp8 K/V
 
 Workload: Hq 64, Hkv 4, D 128, 4 index heads of dim 128, block 128, top-16, page 128, bf16,
 one causal prefill; index queries/keys random, so the selections are the index kernel's
 own (no hand-made pattern). ``--fp8`` adds the fp8 layer: q, K and V in e4m3 with per-tensor
 scales (KV-outer on fp8 inputs, bf16 partials and output) and e4m3 index keys with per-token
 scales read by the index kernel's fp8 MMA; ``--fp8-partials`` adds the fp8 layer with e4m3
-partials (``partial_dtype=torch.float8_e4m3fn``). Peak memory: ``torch.cuda.max_memory_allocated`` during the
+partials (``partial_dtype=torch.float8_e4m3fn``); ``--fp8-pages`` (with ``--profile``) adds
+what a model with an fp8 KV cache runs: a bf16 q over e4m3 K/V, with bf16 and with e4m3
+partials. Peak memory: ``torch.cuda.max_memory_allocated`` during the
 call minus what the inputs already held. Times: median event timings of one call, and of
 one call with the host ahead of the GPU (``bench_kvouter.bench_host_ahead``). Dense cuDNN causal attention of the same
 prompt is timed alongside up to --dense-max tokens. The last thing printed is a markdown table.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -135,14 +139,15 @@ def _stage(name):
     return "other"
 
 
-def profile(n, budgets, out_dir, fp8=False, fp8_partials=False):
+def profile(n, budgets, out_dir, fp8=False, fp8_partials=False, fp8_pages=False):
     """GPU time of the attention call alone (selections precomputed) per workspace budget,
     summed over kernels by stage. A small budget is a query-window order: each slice of
     rows runs its partials and then its combine while its partials may still sit in L2,
     at the price of reloading every K/V block once per slice that selects it. ``fp8``: the
     same module on e4m3 q/K/V (per-tensor scales, bf16 partials) as extra rows, and dense
     bf16 cuDNN attention of the prompt timed once for the ratio; ``fp8_partials``: rows with
-    e4m3 partials too."""
+    e4m3 partials too; ``fp8_pages``: a bf16 q over the e4m3 K/V (a model's fp8 KV cache),
+    with bf16 and with e4m3 partials."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     p = make_inputs(n)
@@ -152,11 +157,17 @@ def profile(n, budgets, out_dir, fp8=False, fp8_partials=False):
     )
     rows = []
     kinds = [("bf16", p, {})]
-    if fp8 or fp8_partials:
+    quantized = fp8 or fp8_partials or fp8_pages
+    if quantized:
         p8 = quantize_fp8(p)
         scales8 = {f"{x}_scale": p8[f"{x}_scale"] for x in ("q", "k", "v")}
         kinds += [("fp8", p8, scales8)] if fp8 else []
         kinds += [("fp8+e4m3 partials", p8, dict(scales8, partial_dtype=torch.float8_e4m3fn))] if fp8_partials else []
+        if fp8_pages:
+            pages8 = dict(p8, q=p["q"])
+            kv8 = {"k_scale": p8["k_scale"], "v_scale": p8["v_scale"]}
+            kinds += [("bf16 q, fp8 pages", pages8, kv8)]
+            kinds += [("bf16 q, fp8 pages+e4m3 partials", pages8, dict(kv8, partial_dtype=torch.float8_e4m3fn))]
     for budget, (kind, pk, scales) in [(b, k) for b in budgets for k in kinds]:
         per_row = HKV * TOPK * (HQ // HKV) * (D * (1 if "partial_dtype" in scales else 2) + 8)
         call = lambda: m3_sparse.kvouter_attention(  # noqa: E731
@@ -178,12 +189,12 @@ def profile(n, budgets, out_dir, fp8=False, fp8_partials=False):
                 ms[_stage(ev.key)] = ms.get(_stage(ev.key), 0.0) + t / 1e3
         name = "unbounded" if budget >= 1 << 49 else f"{budget / GIB:g}GiB"
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-        (Path(out_dir) / f"profile_{n}_{kind.replace('+', '_').replace(' ', '_')}_{name}.txt").write_text(table)
+        (Path(out_dir) / f"profile_{n}_{re.sub(r'[^0-9A-Za-z]+', '_', kind)}_{name}.txt").write_text(table)
         window = min(n, max(1, budget // per_row))
         rows.append(dict(inputs=kind, budget=name, window=window, slices=-(-n // window), wall=wall, **ms))
         print(rows[-1], flush=True)
     dense = None
-    if fp8 or fp8_partials:
+    if quantized:
         del kinds, p8
         torch.cuda.empty_cache()
         dense, _ = dense_cudnn({"q": p["q"], "n_seq": 1, "seq_len": n})
@@ -215,13 +226,15 @@ def main():
     ap.add_argument("--fp8", action="store_true", help="also run every row with fp8 q/K/V and fp8 index keys")
     ap.add_argument("--fp8-partials", action="store_true",
                     help="also run every row with fp8 inputs and e4m3 partials (partial_dtype=float8_e4m3fn)")
+    ap.add_argument("--fp8-pages", action="store_true",
+                    help="--profile: also run a bf16 q over e4m3 K/V (a model's fp8 KV cache), bf16 and e4m3 partials")
     ap.add_argument("--index-scale", default="token", choices=("token", "tensor"),
                     help="fp8 index keys: a scale per token (default) or one for the cache")
     args = ap.parse_args()
     if args.profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         budgets = [1 << 50 if b == "unbounded" else int(float(b) * GIB) for b in args.profile_budgets.split(",")]
-        profile(131072, budgets, args.out, fp8=args.fp8, fp8_partials=args.fp8_partials)
+        profile(131072, budgets, args.out, fp8=args.fp8, fp8_partials=args.fp8_partials, fp8_pages=args.fp8_pages)
         return
     rows = []
     default = m3_sparse.interface.DEFAULT_WORKSPACE_BYTES

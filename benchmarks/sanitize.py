@@ -284,6 +284,18 @@ def case_kvouter(torch, m3, g):
         for label, extra in (("fp8 q/K/V", {}), ("fp8 q/K/V sliced", {"max_workspace_bytes": 8 * 2 * 16 * 16 * 264})):
             got = with_impl("triton", m3.kvouter_attention, q8, k8, v8, sel, batch.block_tables, **kw, **extra)
             _compare(torch, results, label, got, ref, torch.bfloat16)
+        if "partial_dtype" in inspect.signature(m3.kvouter_attention).parameters:
+            # e4m3 partials (the TMA kernel's fp8 staging tile and store), and a bf16 q over
+            # the fp8 caches (K and V widened in shared memory), each with both partial dtypes.
+            qb = q8.float().mul(0.02).bfloat16()
+            kw_kv = {x: y for x, y in kw.items() if x != "q_scale"}
+            for label, qq, kwx in (("fp8 q/K/V", q8, kw), ("bf16 q, fp8 K/V", qb, kw_kv)):
+                for pdt in ((f8,) if qq is q8 else (None, f8)):
+                    ref = with_impl("torch", m3.kvouter_attention, qq, k8, v8, sel, batch.block_tables, **kwx,
+                                    partial_dtype=pdt)
+                    got = with_impl("triton", m3.kvouter_attention, qq, k8, v8, sel, batch.block_tables, **kwx,
+                                    partial_dtype=pdt)
+                    _compare(torch, results, f"{label}, {'e4m3' if pdt else 'bf16'} partials", got, ref, torch.bfloat16)
     # Nothing selected at all: every partial row is the unused tail the programs clear.
     batch, q, k, v = _kv_problem(torch, g, [(40, 5), (7, 2)], 16, torch.bfloat16, 8, 2, 64)
     empty = torch.full((batch.num_tokens, 2, 4), -1, dtype=torch.int32, device=DEVICE)

@@ -29,9 +29,14 @@ dtype (bf16 / fp16) in shared memory once per run, so P @ V keeps P's precision.
 partials are in the output dtype, or e4m3 (``partial_dtype``): the normalized rows O / l in
 V's units, staged and stored as fp8 (half the bytes; the combine applies V's scale).
 
+A bf16 / fp16 q over e4m3 caches (a model's q over fp8 pages) widens K as well as V once
+per run, so Q K^T is the MMA of q's dtype. Both fp8 blocks land in V's widened buffer,
+whose bytes they fill exactly, which keeps shared memory at the bf16 kernel's size.
+
 Supported (``unsupported_reason`` says why a call does not qualify): Triton 3.6 (the Gluon
-API this kernel is written and tested against), sm_90 CUDA; bf16 / fp16 q, K, V and partials,
-or e4m3 q, K, V with a bf16 / fp16 output and partials in it or in e4m3; G a power of two in
+API this kernel is written and tested against), sm_90 CUDA; bf16 / fp16 q, K, V and partials;
+e4m3 q, K, V with a bf16 / fp16 output; bf16 / fp16 q over e4m3 K, V with the output in q's
+dtype; with e4m3 K and V, partials in the output dtype or in e4m3; G a power of two in
 [8, 64] (one tile = 64 rows = 64 / G tokens), D 64 or 128, blocks of 64 or 128 keys, pages of
 at least 16; q and the caches ``[pages, Hkv, page, D]`` contiguous; metadata int32 or int64.
 """
@@ -74,15 +79,20 @@ def unsupported_reason(
     """None when the TMA kernel runs this call, else why not (``engine="auto"`` keeps the
     ``tl`` kernel then). Shape and dtype checks come before the device ones."""
     fp8 = torch.float8_e4m3fn
-    if q.dtype not in (torch.bfloat16, torch.float16, fp8) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"needs q, K and V all bf16, all fp16 or all float8_e4m3fn, got {q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    dtypes = f"{q.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    kv_ok = k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, fp8)
+    if q.dtype not in (torch.bfloat16, torch.float16, fp8) or not kv_ok:
+        return f"needs q, K and V all bf16, all fp16 or all float8_e4m3fn, or a bf16 / fp16 q over float8_e4m3fn K and V, got {dtypes}"
     if q.dtype == fp8:
         if scales is None or out_dtype not in (torch.bfloat16, torch.float16):
             return "fp8 inputs need their scales and a bf16 or fp16 output"
+    elif k_cache.dtype == fp8:
+        if scales is None or (out_dtype is not None and out_dtype != q.dtype):
+            return "fp8 K and V need their scales, and partials in q's dtype"
     elif scales is not None or (out_dtype is not None and out_dtype != q.dtype):
         return "partials in q's dtype, no fp8 scales"
-    if partial_dtype not in (None, out_dtype) and q.dtype != fp8:
-        return f"{partial_dtype} partials need float8_e4m3fn q, K and V"
+    if partial_dtype not in (None, out_dtype) and k_cache.dtype != fp8:
+        return f"{partial_dtype} partials need float8_e4m3fn K and V"
     hq, d = q.shape[1], q.shape[2]
     hkv, page = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -140,11 +150,15 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(q_desc, [tok * hq + g * G, 0], bar, q_slot.slice(i * G, G), pred=live)
 
     @gluon.jit
-    def _stage_v(v_in, v_smem, blk, kv_len, BS: gl.constexpr, D: gl.constexpr, ot: gl.constexpr, layout: gl.constexpr):
-        """V block as P @ V takes it: rows past the sequence zeroed, in P @ V's dtype ``ot``."""
+    def _stage_v(v_in, v_smem, blk, kv_len, BS: gl.constexpr, D: gl.constexpr, ot: gl.constexpr, layout: gl.constexpr,
+                 ALIASED: gl.constexpr = False):
+        """V block as P @ V takes it: rows past the sequence zeroed, in P @ V's dtype ``ot``.
+        ``ALIASED``: ``v_in`` lies inside ``v_smem``, so every warp reads before any writes."""
         b_v = v_in.load(layout)  # [BS, D]
         v_rows = blk * BS + gl.arange(0, BS, layout=gl.SliceLayout(1, layout))
         b_v = gl.where((v_rows < kv_len)[:, None], b_v.to(ot), gl.zeros([BS, D], ot, layout))
+        if ALIASED:
+            _sync_threads()
         v_smem.store(b_v)
         fence_async_shared()
         _sync_threads()
@@ -158,17 +172,20 @@ if HAVE_GLUON:
         stride_bt, num_segments, nbg, max_blocks, capacity_rows, num_programs, hq, hkv,
         qk_scale, scale_ptr,
         G: gl.constexpr, TQ: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, PS: gl.constexpr,
-        PB: gl.constexpr, CAUSAL: gl.constexpr, FILL: gl.constexpr, FP8: gl.constexpr,
-        PV_DT: gl.constexpr, PV_LAYOUT: gl.constexpr, NORM: gl.constexpr,
+        PB: gl.constexpr, CAUSAL: gl.constexpr, FILL: gl.constexpr, Q_FP8: gl.constexpr, KV_FP8: gl.constexpr,
+        WIDEN_K: gl.constexpr, PV_DT: gl.constexpr, PV_LAYOUT: gl.constexpr, NORM: gl.constexpr,
     ):
         BM: gl.constexpr = TQ * G
-        dt: gl.constexpr = q_desc.dtype  # q, K, V as stored
+        dt: gl.constexpr = q_desc.dtype  # q as stored, and Q K^T's operands (WIDEN_K: K widened to it)
+        kvt: gl.constexpr = k_desc.dtype  # K and V as stored
         ot: gl.constexpr = o_desc.dtype  # the partials
         pid = gl.program_id(0)
         v_scale = 1.0
-        if FP8:
-            qk_scale = qk_scale * gl.load(scale_ptr) * gl.load(scale_ptr + 1)
+        if KV_FP8:
+            qk_scale = qk_scale * gl.load(scale_ptr + 1)
             v_scale = gl.load(scale_ptr + 2)
+        if Q_FP8:
+            qk_scale = qk_scale * gl.load(scale_ptr)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 256 // dt.primitive_bitwidth]
         )
@@ -185,14 +202,23 @@ if HAVE_GLUON:
 
         # Shared memory: K and V blocks [BS, D], a two-slot query ring [2, BM, D], the output
         # staging tile [BM, D]: 112 KB at BS = D = 128 in bf16 (96 KB in fp8, with V's
-        # copy as stored; 88 KB with e4m3 partials), so two programs fit on an SM.
+        # copy as stored; 88 KB with e4m3 partials), so two programs fit on an SM. With a
+        # float q over fp8 caches both fp8 blocks land in V's widened buffer, whose bytes
+        # they fill exactly (112 KB, 104 KB with e4m3 partials).
         q_smem = gl.allocate_shared_memory(dt, [2, BM, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dt, [BS, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(PV_DT, [BS, D], PV_LAYOUT)
-        if FP8:
-            v_in = gl.allocate_shared_memory(dt, [BS, D], v_desc.layout)
+        if WIDEN_K:
+            k_smem = gl.allocate_shared_memory(dt, [BS, D], q_desc.layout)
+            kv_in = v_smem._reinterpret(kvt, [2 * BS, D], k_desc.layout)
+            k_in = kv_in.slice(0, BS)
+            v_in = kv_in.slice(BS, BS)
         else:
-            v_in = v_smem
+            k_smem = gl.allocate_shared_memory(dt, [BS, D], k_desc.layout)
+            k_in = k_smem
+            if KV_FP8:
+                v_in = gl.allocate_shared_memory(kvt, [BS, D], v_desc.layout)
+            else:
+                v_in = v_smem
         o_smem = gl.allocate_shared_memory(ot, [BM, D], o_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -251,19 +277,22 @@ if HAVE_GLUON:
                     # launcher bounds every row index below 2^31).
                     kv_len = gl.load(kvlen_ptr + seq).to(gl.int32)
                     pos_base = kv_len - gl.load(cu_ptr + seq + 1).to(gl.int32)
-                    mbarrier.expect(kv_bar, 2 * BS * D * dt.primitive_bitwidth // 8)
+                    mbarrier.expect(kv_bar, 2 * BS * D * kvt.primitive_bitwidth // 8)
                     for p in gl.static_range(BS // PB):
                         k_pos = blk * BS + p * PB
                         page = gl.load(bt_ptr + seq.to(gl.int64) * stride_bt + k_pos // PS, mask=k_pos < kv_len, other=0).to(gl.int32)
                         page = gl.where(page < 0, 0, page)
                         row = (page * hkv + g) * PS + k_pos % PS
-                        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_smem.slice(p * PB, PB))
+                        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bar, k_in.slice(p * PB, PB))
                         tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bar, v_in.slice(p * PB, PB))
                     mbarrier.wait(kv_bar, kv_phase)
                     kv_phase ^= 1
                     # Keys past the sequence are masked, but 0 * (stale V) must not be NaN; fp8
-                    # V is widened once per run (e4m3 -> bf16 / fp16 is exact).
-                    if FP8:
+                    # K and V are widened once per run (e4m3 -> bf16 / fp16 is exact).
+                    if WIDEN_K:
+                        k_smem.store(k_in.load(v_reg_layout).to(dt))
+                        _stage_v(v_in, v_smem, blk, kv_len, BS, D, PV_DT, v_reg_layout, ALIASED=True)
+                    elif KV_FP8:
                         _stage_v(v_in, v_smem, blk, kv_len, BS, D, PV_DT, v_reg_layout)
                     elif blk * BS + BS > kv_len:
                         _stage_v(v_in, v_smem, blk, kv_len, BS, D, PV_DT, v_reg_layout)
@@ -318,7 +347,7 @@ if HAVE_GLUON:
                 # value; the e4m3 conversion saturates at +-448 (cvt.rn.satfinite), so no clamp.
                 inv_l = gl.convert_layout(1.0 / gl.where(b_l == 0.0, 1.0, b_l), gl.SliceLayout(1, o_layout))
                 b_o = b_o * inv_l[:, None]
-            elif FP8:
+            elif KV_FP8:
                 b_o = b_o * v_scale
 
             tma.store_wait(0)
@@ -403,19 +432,19 @@ def kvouter_partials_tma(
     cap = index.capacity
     out_dtype = out_dtype or q.dtype
     partial_dtype = partial_dtype or out_dtype
-    fp8 = q.dtype == torch.float8_e4m3fn
+    q_fp8, kv_fp8 = q.dtype == torch.float8_e4m3fn, k_cache.dtype == torch.float8_e4m3fn
     partial_o, partial_m, partial_l = empty_partials(cap, group, d, partial_dtype, q.device)
     if cap == 0:
         return partial_o, partial_m, partial_l
-    layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(partial_dtype, d)
+    layout, kv_layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(k_cache.dtype, d), _smem_layout(partial_dtype, d)
     pb = min(block_size, page_size)
     q2 = q.view(num_tokens * hq, d)
     k2 = k_cache.view(num_pages * hkv * page_size, d)
     v2 = v_cache.view(num_pages * hkv * page_size, d)
     o2 = partial_o.view(cap * group, d)
     q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [group, d], layout)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [pb, d], layout)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [pb, d], layout)
+    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [pb, d], kv_layout)
+    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [pb, d], kv_layout)
     o_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [tq * group, d], o_layout)
     o1_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [group, d], o_layout)
     _kvouter_partials_tma_kernel[(sched.num_programs,)](
@@ -425,8 +454,9 @@ def kvouter_partials_tma(
         sched.tile_segment, sched.tile_start, sched.tile_end, sched.program_tiles,
         block_tables.stride(0), index.num_segments, index.num_global_blocks, index.max_blocks,
         cap * group, sched.num_programs, hq, hkv,
-        float(softmax_scale) * LOG2E, scales if fp8 else partial_m,
-        G=group, TQ=tq, D=d, BS=block_size, PS=page_size, PB=pb, CAUSAL=bool(causal), FILL=FILL_ROWS, FP8=fp8,
+        float(softmax_scale) * LOG2E, scales if kv_fp8 else partial_m,
+        G=group, TQ=tq, D=d, BS=block_size, PS=page_size, PB=pb, CAUSAL=bool(causal), FILL=FILL_ROWS,
+        Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8,
         PV_DT=_GL_DTYPES[out_dtype], PV_LAYOUT=_smem_layout(out_dtype, d), NORM=partial_dtype != out_dtype,
         num_warps=NUM_WARPS,
     )

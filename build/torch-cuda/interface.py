@@ -220,7 +220,8 @@ def _kvouter_torch(
 # (H200, Hq 64 / Hkv 4 / D 128, top-16 of 128-key blocks; docs/PERF.md, decode crossover).
 # With the TMA partials kernel (sm_90): at 64 rows decode takes 0.60-0.94x KV-outer's time,
 # at 96 rows 0.70-0.73x for one sequence and 1.03-1.05x for 8 or 32, at 128 rows 1.03-1.17x,
-# at 256 rows 1.17-1.53x.
+# at 256 rows 1.17-1.53x. (Measured on bf16 inputs. A bf16 q over fp8 pages takes the same
+# bound: its TMA partials run within 5% of bf16's at 128K; its crossover was not measured.)
 DECODE_MAX_QUERIES = 96
 # Where KV-outer runs the tl partials kernel (other GPUs, shapes the TMA kernel does not
 # take): at 256 rows decode took 0.87-1.09x its time, at 1024 rows 1.45-1.66x.

@@ -375,13 +375,16 @@ def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_d
     "kw,match",
     [
         (dict(dtype=torch.float32), "all bf16, all fp16 or all float8_e4m3fn"),
-        (dict(kv_dtype=torch.float8_e4m3fn), "got torch.bfloat16 / torch.float8_e4m3fn"),
+        (dict(kv_dtype=torch.float16), "got torch.bfloat16 / torch.float16 / torch.float16"),
+        (dict(dtype=torch.float8_e4m3fn, kv_dtype=torch.bfloat16, scales=1), "or a bf16 / fp16 q over float8_e4m3fn"),
+        (dict(kv_dtype=torch.float8_e4m3fn), "fp8 K and V need their scales"),
+        (dict(kv_dtype=torch.float8_e4m3fn, scales=1, out_dtype=torch.float32), "partials in q's dtype"),
         (dict(out_dtype=torch.float32), "q's dtype"),
         (dict(dtype=torch.float8_e4m3fn), "fp8 inputs need their scales"),
         (dict(dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16), "fp8 inputs need their scales"),
         (dict(scales=1), "no fp8 scales"),
         (dict(dtype=torch.float8_e4m3fn, scales=1, out_dtype=torch.float8_e4m3fn), "a bf16 or fp16 output"),
-        (dict(partial_dtype=torch.float8_e4m3fn), "float8_e4m3fn partials need float8_e4m3fn q, K and V"),
+        (dict(partial_dtype=torch.float8_e4m3fn), "float8_e4m3fn partials need float8_e4m3fn K and V"),
         (dict(hq=16), "GQA group in \\[8, 64\\], got 4"),
         (dict(hq=48, hkv=4), "got 12"),
         (dict(tile_q=8), "at most 4 tokens"),
@@ -542,6 +545,58 @@ if TMA_OK:
         assert_close("partial_l vs tl kernel", same_mma[2][:used], pl[:used], 1e-5)
         assert_close("partial_o vs tl kernel", same_mma[0][:used], po[:used], TOLERANCES[out_dtype])
         assert torch.all(po[used:] == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
+
+    @pytest.mark.parametrize(
+        "dtype,d,page_size,partial_dtype",
+        [
+            (torch.bfloat16, 128, 128, None),
+            (torch.bfloat16, 128, 64, torch.float8_e4m3fn),
+            (torch.float16, 64, 32, None),
+            (torch.float16, 128, 128, torch.float8_e4m3fn),
+        ],
+    )
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_partials_tma_float_q_over_fp8_caches(dtype, d, page_size, partial_dtype, causal):
+        """A model's q over fp8 pages: K and V widened in shared memory (both fp8 blocks land
+        in V's buffer), Q K^T in q's dtype; against the torch stage and the tl kernel, which
+        widens K the same way. NaN in unwritten slots, poisoned outputs."""
+        fp8 = torch.float8_e4m3fn
+        g = gen(3 * d + page_size + int(causal))
+        seqs = [(900, 260), (129, 1), (64, 9), (300, 400)]
+        batch = make_batch(g, seqs, page_size)
+        q = randn(g, batch.num_tokens, 64, d, dtype=dtype)
+        k = batch.kv_cache(g, 4, d, garbage=float("nan"))
+        v = batch.kv_cache(g, 4, d, garbage=float("nan"))
+        sel = random_selection(g, batch, 4, 16, 128, causal=causal)
+        scales = torch.tensor([1.0, 0.009, 0.013], device=DEVICE)
+        k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((k, v), scales.tolist()[1:]))
+        q, k8, v8, sel, bt = _to(DEVICE, q, k8, v8, sel, batch.block_tables)
+        kw = _device_batch(batch)
+        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=-(-bt.shape[1] * page_size // 128))
+        sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
+        common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=128, scales=scales, out_dtype=dtype,
+                      partial_dtype=partial_dtype)  # fmt: skip
+        with poisoned_allocations():
+            got = tkv.kvouter_partials_triton(q, k8, v8, index, sched, bt, **common, engine="tma")
+        ref = m3_sparse.kvouter_partials(q, k8, v8, index, bt, **common)
+        same = tkv.kvouter_partials_triton(q, k8, v8, index, sched, bt, **common, engine="triton")
+        po, pm, pl = got
+        used = int(index.seg_offsets[-1])
+        for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
+            assert not is_poisoned(x).any(), name
+        assert po.dtype == (partial_dtype or dtype)
+        assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
+        assert_close("partial_m", ref[1][:used], pm[:used], 1e-5)
+        assert_close("partial_l", ref[2][:used], pl[:used], 1e-4)
+        # e4m3 rows: both round the same values, and differ where accumulation order moves one
+        # across a rounding boundary (as in test_fp8_partials).
+        tol, tl_tol = (2 * TOLERANCES[dtype], TOLERANCES[dtype]) if partial_dtype is None else (0.04, 0.04)
+        assert_close("partial_o", ref[0][:used].float(), po[:used].float(), tol)
+        assert_close("partial_m vs tl kernel", same[1][:used], pm[:used], 1e-6)
+        assert_close("partial_l vs tl kernel", same[2][:used], pl[:used], 1e-5)
+        assert_close("partial_o vs tl kernel", same[0][:used].float(), po[:used].float(), tl_tol)
+        assert torch.all(po[used:].float() == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
+        assert not torch.isnan(po.float()).any()
 
     def test_partials_tma_equal_the_triton_kernel_in_a_cuda_graph():
         g = gen(99)
