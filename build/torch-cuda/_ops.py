@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_e03d76011b"
+NAMESPACE = "_m3_sparse_cuda_a9e64ecdcb"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ._launch import next_pow2
-from ._validate import default_out_dtype
+from ._validate import FP8_DTYPES, default_out_dtype
+from .combine import check_o_scale
 
 
 # Launch settings (the benchmark's --tune overrides them): rows (token x head pairs)
@@ -143,14 +144,10 @@ def combine_triton(
     if not (partial_o.is_contiguous() and partial_m.is_contiguous() and partial_l.is_contiguous()):
         raise ValueError("partial_o/partial_m/partial_l: expected contiguous tensors")
     device = partial_o.device
-    normalized = partial_o.dtype == torch.float8_e4m3fn
+    normalized = partial_o.dtype in FP8_DTYPES
     if out_dtype is None:
         out_dtype = default_out_dtype(partial_o.dtype)
-    if o_scale is not None and (o_scale.numel() != 1 or o_scale.dtype != torch.float32 or o_scale.device != device):
-        raise ValueError(
-            f"o_scale: expected one float32 value on {device}, got {o_scale.dtype} {tuple(o_scale.shape)} "
-            f"on {o_scale.device}"
-        )
+    check_o_scale(o_scale, device)
     if out is None:
         out = torch.empty(num_tokens, hkv * group, d, dtype=out_dtype, device=device)
     elif tuple(out.shape) != (num_tokens, hkv * group, d) or out.stride(2) != 1:

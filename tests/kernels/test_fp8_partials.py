@@ -336,6 +336,11 @@ def test_stage_and_combine_errors():
         m3_sparse.combine(po, pm, pl, slot_of, o_scale=torch.ones(2))
     with pytest.raises(ValueError, match="o_scale: expected dtype in"):
         m3_sparse.combine(po, pm, pl, slot_of, o_scale=torch.ones(1, dtype=torch.float64))
+    # The Triton combine checks it the same way, before its launch.
+    with pytest.raises(ValueError, match="o_scale: expected one float32 value"):
+        tcomb.combine_triton(po, pm, pl, slot_of, o_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="o_scale: expected dtype in"):
+        tcomb.combine_triton(po, pm, pl, slot_of, o_scale=torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="out_dtype: expected one of"):
         m3_sparse.combine(po, pm, pl, slot_of, out_dtype=FP8)
     index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=batch.cu_seqlens_q, max_blocks=-(-batch.capacity // 16))

@@ -34,15 +34,21 @@ def validate_combine(partial_o, partial_m, partial_l, slot_of, o_scale=None, out
         if lo < -1 or hi >= rows[0]:
             bad = lo if lo < -1 else hi
             raise ValueError(f"slot_of: entry {bad} out of range; expected -1 or an entry in [0, {rows[0]})")
-    if o_scale is not None:
-        check_tensor("o_scale", o_scale, dtypes=(torch.float32,), device=device)
-        if o_scale.numel() != 1:
-            raise ValueError(f"o_scale: expected one float32 value, got shape {tuple(o_scale.shape)}")
+    check_o_scale(o_scale, device)
     if out_dtype is None:
         return default_out_dtype(partial_o.dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype: expected one of (bfloat16, float16, float32), got {out_dtype}")
     return out_dtype
+
+
+def check_o_scale(o_scale: torch.Tensor | None, device: torch.device) -> None:
+    """``o_scale``: None, or one fp32 value on the partials' device (read by the kernel)."""
+    if o_scale is None:
+        return
+    check_tensor("o_scale", o_scale, dtypes=(torch.float32,), device=device)
+    if o_scale.numel() != 1:
+        raise ValueError(f"o_scale: expected one float32 value, got shape {tuple(o_scale.shape)}")
 
 
 def merge_scale(partial_o: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor | None:
