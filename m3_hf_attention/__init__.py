@@ -7,22 +7,13 @@
     model.generate(**inputs)  # uses an M3PagedCache unless you pass past_key_values
 
 Everything runs from the ``m3-sparse`` hub kernel, loaded with ``kernels`` (see
-:func:`load_kernel`): its ops and its transformers integration (``hf_cache``,
-``hf_integration``, ``hf_tp``), which this package exposes as ``m3_hf_attention.cache``,
-``.integration`` and ``.tp`` without a copy of its own.
+:func:`load_kernel`): its ops and its transformers integration (the kernel's ``hf``
+package), which this package exposes as ``m3_hf_attention.cache``, ``.integration``
+(the kernel's ``hf.attention``), ``.mask`` and ``.tp`` without a copy of its own.
 """
 
-import sys
-
+from . import cache, integration, mask, tp
 from ._kernel import load_kernel
-
-_kernel = load_kernel()
-cache = _kernel.hf_cache
-integration = _kernel.hf_integration
-tp = _kernel.hf_tp
-# `from m3_hf_attention.cache import X` finds the kernel's modules.
-for _name, _module in (("cache", cache), ("integration", integration), ("tp", tp)):
-    sys.modules[f"{__name__}.{_name}"] = _module
 
 M3PagedCache = cache.M3PagedCache
 M3PagedLayer = cache.M3PagedLayer
@@ -43,6 +34,7 @@ __all__ = [
     "integration",
     "load_kernel",
     "m3_sparse_attention",
+    "mask",
     "m3_sparse_mask",
     "register",
     "tp",

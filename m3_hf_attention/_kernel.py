@@ -8,6 +8,7 @@ of this repository), or for a hub repository named by ``M3_SPARSE_KERNEL``.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -41,3 +42,22 @@ def load_kernel() -> ModuleType:
             "repository path or hub id."
         )
     return kernels.get_local_kernel(REPO_ROOT)
+
+
+def kernel_module(name: str) -> ModuleType:
+    """The submodule ``name`` (e.g. ``"hf.cache"``) of the loaded kernel."""
+    return importlib.import_module(f"{load_kernel().__name__}.{name}")
+
+
+def forward_to(name: str):
+    """``(__getattr__, __dir__)`` for a module of this package that stands for the kernel's
+    submodule ``name``: its attributes are the kernel's, looked up on use (PEP 562)."""
+    source = kernel_module(name)
+
+    def __getattr__(attr: str):
+        return getattr(source, attr)
+
+    def __dir__() -> list[str]:
+        return sorted(dir(source))
+
+    return __getattr__, __dir__

@@ -131,11 +131,11 @@ def test_check_flags_a_stale_build_and_generation_is_deterministic(tmp_path):
     assert _run_build_script(root).returncode == 0
     assert _run_build_script(root, "--check").returncode == 0
 
-    src = root / "torch-ext" / "m3_sparse" / "combine.py"
+    src = root / "torch-ext" / "m3_sparse" / "kvouter" / "combine.py"
     src.write_text(src.read_text() + "\n# changed\n")
     res = _run_build_script(root, "--check")
     assert res.returncode == 1
-    assert "differs: build/torch-cpu/combine.py" in res.stderr
+    assert "differs: build/torch-cpu/kvouter/combine.py" in res.stderr
     assert "differs: build/torch-cuda/_ops.py" in res.stderr  # the id follows the sources
     assert "python scripts/build_kernel.py" in res.stderr
 

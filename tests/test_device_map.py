@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import m3_hf_attention  # noqa: F401
 from m3_hf_attention import M3PagedCache
-from m3_hf_attention.cache import set_step_mask
+from m3_hf_attention.mask import set_step_mask
 from model_utils import greedy, random_prompt, save_tiny_text_model
 
 LOGIT_ATOL = 2e-4  # fp32; the Triton kernels (GPU layers) and the torch code (CPU layers) sum differently

@@ -50,9 +50,9 @@ def test_hub_string_generates_like_the_package(checkpoint, suffix):
     got = _run(checkpoint, REPO_ID + suffix)
     assert got["attn_implementation"] == REPO_ID + suffix
     assert not got["imported_m3_hf_attention"]
-    assert got["cache"] == "M3PagedCache" and got["cache_module"].endswith(".hf_cache")
+    assert got["cache"] == "M3PagedCache" and got["cache_module"].endswith(".hf.cache")
     # transformers pairs a hub attention function with its own mask function; ours replaces it.
-    assert got["mask_function"].endswith("hf_integration.m3_sparse_mask")
+    assert got["mask_function"].endswith("hf.mask.m3_sparse_mask")
 
     import m3_hf_attention  # noqa: F401  (the package path, in this process)
 

@@ -27,13 +27,13 @@ def model(tmp_path_factory):
 def calls(monkeypatch):
     seen = []
     for name in ("index_topk", "sparse_attention", "dense_paged_attention"):
-        real = getattr(kernel, name)
+        real = getattr(kernel.api, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             seen.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, name, spy)
+        monkeypatch.setattr(kernel.api, name, spy)
     return seen
 
 

@@ -4,6 +4,10 @@ Registered under this build's namespace (``_ops.NAMESPACE``), so ``torch.compile
 traces a call as one opaque node whose output shapes come from the fake
 implementation: the ops' host-side validation and Python loops never reach the
 graph, and ``fullgraph=True`` compiles code that calls them.
+
+Each op is one schema (positional arguments, in the order given) over one ``api``
+function; the attention ops return ``(out, lse)``. An op's ``max_seqlen_q`` of 0 or less
+means "not given".
 """
 
 from __future__ import annotations
@@ -11,221 +15,85 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from . import api
 from ._ops import NAMESPACE
-from ._validate import default_out_dtype
-from .decode_attention import sparse_decode_attention
-from .index_topk import index_topk
-from .interface import dense_paged_attention, kvouter_attention, sparse_attention
+from .core.validate import default_out_dtype
+
+_PAGED = "Tensor cu_seqlens_q, Tensor used_kv_lens"
+_QUANT = "Tensor? q_scale=None, Tensor? k_scale=None, Tensor? v_scale=None, ScalarType? out_dtype=None"
+_SPARSE = "Tensor q, Tensor k_cache, Tensor v_cache, Tensor selected, Tensor block_tables, " + _PAGED
+SCHEMAS = {
+    "index_topk": (
+        "Tensor index_q, Tensor index_k_cache, Tensor block_tables, " + _PAGED + ", Tensor? index_k_scale, "
+        "int topk, int block_size, int local_blocks, int max_seqlen_q, bool fp8_dot",
+        "Tensor",
+    ),
+    "kvouter_attention": (
+        _SPARSE + ", float softmax_scale, bool causal, int block_size, " + _QUANT + ", ScalarType? partial_dtype=None",
+        "(Tensor, Tensor)",
+    ),
+    "sparse_decode_attention": (
+        _SPARSE + ", float softmax_scale, bool causal, int block_size, " + _QUANT,
+        "(Tensor, Tensor)",
+    ),
+    "sparse_attention": (
+        _SPARSE + ", int max_seqlen_q, float softmax_scale, bool causal, int block_size, " + _QUANT
+        + ", ScalarType? partial_dtype=None",
+        "(Tensor, Tensor)",
+    ),
+    "dense_paged_attention": (
+        "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, " + _PAGED
+        + ", float softmax_scale, bool causal, " + _QUANT,
+        "(Tensor, Tensor)",
+    ),
+}
 
 
-def _fake_attention(q: torch.Tensor, out_dtype: torch.dtype | None):
-    """(out, lse) of an attention op: out in ``out_dtype`` (default q's, bfloat16 for an fp8 q)."""
-    if out_dtype is None:
-        out_dtype = default_out_dtype(q.dtype)
-    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _names(schema: str) -> list[str]:
+    return [arg.split("=")[0].split()[-1] for arg in schema.split(", ")]
 
 
-@custom_op(f"{NAMESPACE}::index_topk", mutates_args=())
-def index_topk_op(
-    index_q: torch.Tensor,
-    index_k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    index_k_scale: torch.Tensor | None,
-    topk: int,
-    block_size: int,
-    local_blocks: int,
-    max_seqlen_q: int,
-    fp8_dot: bool,
-) -> torch.Tensor:
-    extra = {} if index_k_scale is None else {"index_k_scale": index_k_scale, "fp8_dot": fp8_dot}
-    return index_topk(
-        index_q,
-        index_k_cache,
-        block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
-        topk=topk,
-        block_size=block_size,
-        local_blocks=local_blocks,
-        max_seqlen_q=max_seqlen_q if max_seqlen_q > 0 else None,
-        **extra,
+def _call(fn, names):
+    """The op's implementation: its positional arguments passed to ``fn`` by name."""
+
+    def impl(*args):
+        kw = dict(zip(names, args))
+        if kw.get("max_seqlen_q", 1) <= 0:
+            kw["max_seqlen_q"] = None
+        if fn is api.index_topk:
+            if kw["index_k_scale"] is None:
+                kw.pop("fp8_dot")  # only an fp8 cache takes the flag (and its scale)
+            return fn(**kw)
+        return fn(**kw, return_lse=True)
+
+    return impl
+
+
+def _fake(name, names):
+    def fake(*args):
+        kw = dict(zip(names, args))
+        if name == "index_topk":
+            q = kw["index_q"]
+            return q.new_empty((q.shape[0], q.shape[1], kw["topk"]), dtype=torch.int32)
+        q, out_dtype = kw["q"], kw.get("out_dtype")
+        out_dtype = default_out_dtype(q.dtype) if out_dtype is None else out_dtype
+        return q.new_empty(q.shape, dtype=out_dtype), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+    return fake
+
+
+def _register(name: str):
+    args, returns = SCHEMAS[name]
+    names = _names(args)
+    op = custom_op(
+        f"{NAMESPACE}::{name}", _call(getattr(api, name), names), mutates_args=(), schema=f"({args}) -> {returns}"
     )
+    op.register_fake(_fake(name, names))
+    return op
 
 
-@index_topk_op.register_fake
-def _(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens, index_k_scale, topk, block_size, local_blocks, max_seqlen_q, fp8_dot):
-    return index_q.new_empty((index_q.shape[0], index_q.shape[1], topk), dtype=torch.int32)
-
-
-@custom_op(f"{NAMESPACE}::kvouter_attention", mutates_args=())
-def kvouter_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    block_size: int,
-    q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    partial_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = kvouter_attention(
-        q,
-        k_cache,
-        v_cache,
-        selected,
-        block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        block_size=block_size,
-        return_lse=True,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out_dtype=out_dtype,
-        partial_dtype=partial_dtype,
-    )
-    return out, lse
-
-
-@kvouter_attention_op.register_fake
-def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
-      q_scale=None, k_scale=None, v_scale=None, out_dtype=None, partial_dtype=None):
-    return _fake_attention(q, out_dtype)
-
-
-@custom_op(f"{NAMESPACE}::sparse_decode_attention", mutates_args=())
-def sparse_decode_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    block_size: int,
-    q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return sparse_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        selected,
-        block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        block_size=block_size,
-        return_lse=True,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out_dtype=out_dtype,
-    )
-
-
-@sparse_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
-      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
-    return _fake_attention(q, out_dtype)
-
-
-@custom_op(f"{NAMESPACE}::sparse_attention", mutates_args=())
-def sparse_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    max_seqlen_q: int,
-    softmax_scale: float,
-    causal: bool,
-    block_size: int,
-    q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    partial_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return sparse_attention(
-        q,
-        k_cache,
-        v_cache,
-        selected,
-        block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
-        max_seqlen_q=max_seqlen_q if max_seqlen_q > 0 else None,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        block_size=block_size,
-        return_lse=True,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out_dtype=out_dtype,
-        partial_dtype=partial_dtype,
-    )
-
-
-@sparse_attention_op.register_fake
-def _(q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens, max_seqlen_q, softmax_scale, causal,
-      block_size, q_scale=None, k_scale=None, v_scale=None, out_dtype=None, partial_dtype=None):
-    return _fake_attention(q, out_dtype)
-
-
-@custom_op(f"{NAMESPACE}::dense_paged_attention", mutates_args=())
-def dense_paged_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = dense_paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        return_lse=True,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        out_dtype=out_dtype,
-    )
-    return out, lse
-
-
-@dense_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, causal,
-      q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
-    return _fake_attention(q, out_dtype)
+index_topk_op = _register("index_topk")
+kvouter_attention_op = _register("kvouter_attention")
+sparse_decode_attention_op = _register("sparse_decode_attention")
+sparse_attention_op = _register("sparse_attention")
+dense_paged_attention_op = _register("dense_paged_attention")

@@ -1,41 +1,47 @@
 """m3_sparse: MiniMax M3 block-sparse attention (MSA) for PyTorch.
 
-Public ops (token-major queries, paged caches; see ``interface.py``):
+Public ops (``api``; token-major queries, paged caches):
 
 * ``index_topk``: block selection of the index branch;
-* ``kvouter_attention``: sparse attention over the selected blocks, KV-outer;
+* ``sparse_attention``: sparse attention over the selected blocks, the decode kernel or
+  KV-outer chosen from the query rows per sequence (``sparse_decode_attention``,
+  ``kvouter_attention``);
 * ``dense_paged_attention``: dense attention over the same paged cache;
-* pipeline stages of ``kvouter_attention``: ``build_kvouter_index``, ``schedule``,
-  ``kvouter_partials``, ``combine``;
+* the stages of ``kvouter_attention`` (torch references): ``build_kvouter_index``,
+  ``schedule``, ``kvouter_partials``, ``combine``;
 * ``reference``: naive per-token oracles for tests;
-* ``ops``: the five ops above (``index_topk``, ``kvouter_attention``,
-  ``sparse_decode_attention``, ``sparse_attention``, ``dense_paged_attention``) as ``torch.library`` custom ops with fake implementations
-  (``custom_ops.py``), for ``torch.compile``.
+* ``ops``: the five ops as ``torch.library`` custom ops with fake implementations
+  (``custom_ops``), for ``torch.compile``;
+* launch configs (``IndexConfig``, ``KVOuterConfig``, ``DecodeConfig``, ``DenseConfig``):
+  immutable, passed per call.
 
-The transformers integration ships in the kernel too (``hf_cache``, ``hf_integration``,
-``hf_tp``; they import transformers, so they load on first use). transformers loads a hub
-kernel named by ``attn_implementation="<org>/m3-sparse"`` and takes its attention function
-from ``flash_attn_forward`` (its contract for kernels that bring their own attention entry
+The transformers integration ships in the kernel too (``hf``: the paged cache, the
+attention and mask functions, the tensor-parallel plan; it imports transformers, so it
+loads on first use). transformers loads a hub kernel named by
+``attn_implementation="<org>/m3-sparse"`` and takes its attention function from
+``flash_attn_forward`` (its contract for kernels that bring their own attention entry
 point, next to a ``supports_flash_attn`` marker); reading that attribute, or
-``m3_sparse_attention``, registers the integration. ``M3PagedCache`` is the paged cache.
-``m3_hf_attention`` is the same integration behind ``import m3_hf_attention``.
+``m3_sparse_attention``, registers the integration. docs/ARCHITECTURE.md maps the package.
 """
 
 import importlib
 
 from . import custom_ops, reference
 from ._ops import add_op_namespace_prefix, ops
-from .combine import combine
-from .decode_attention import sparse_decode_attention
-from .index_topk import index_topk
-from .interface import dense_paged_attention, kvouter_attention, sparse_attention
-from .kvouter_attention import kvouter_partials
-from .kvouter_index import KVOuterIndex, build_kvouter_index
-from .scheduler import Schedule, schedule
+from .api import (
+    DecodeConfig,
+    DenseConfig,
+    IndexConfig,
+    KVOuterConfig,
+    dense_paged_attention,
+    index_topk,
+    kvouter_attention,
+    sparse_attention,
+    sparse_decode_attention,
+)
+from .kvouter import KVOuterIndex, Schedule, build_kvouter_index, combine, kvouter_partials, schedule
 
 __version__ = "0.1.0"
-
-_LAZY_MODULES = ("hf_cache", "hf_integration", "hf_tp")
 
 
 def supports_flash_attn() -> bool:
@@ -46,18 +52,22 @@ def supports_flash_attn() -> bool:
 
 
 def __getattr__(name: str):
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name == "hf":
+        return importlib.import_module(f"{__name__}.hf")
     if name in ("m3_sparse_attention", "flash_attn_forward", "register"):
-        integration = importlib.import_module(f"{__name__}.hf_integration")
-        integration.register()
-        return integration.register if name == "register" else integration.m3_sparse_attention
+        attention = importlib.import_module(f"{__name__}.hf.attention")
+        attention.register()
+        return attention.register if name == "register" else attention.m3_sparse_attention
     if name in ("M3PagedCache", "M3PagedLayer"):
-        return getattr(importlib.import_module(f"{__name__}.hf_cache"), name)
+        return getattr(importlib.import_module(f"{__name__}.hf.cache"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
+    "DecodeConfig",
+    "DenseConfig",
+    "IndexConfig",
+    "KVOuterConfig",
     "KVOuterIndex",
     "M3PagedCache",
     "Schedule",

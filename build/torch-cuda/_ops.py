@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_a9e64ecdcb"
+NAMESPACE = "_m3_sparse_cuda_79322b7bb1"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import m3_sparse
-from m3_sparse import _dispatch
+from m3_sparse import dispatch as _dispatch
+from m3_sparse.core.args import AttnArgs
 from kernel_test_utils import gen, make_batch, randn, random_selection
 
 
@@ -46,14 +47,17 @@ def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
     monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)
     q = torch.zeros(4, 4, 8, device="cuda")
     k = torch.zeros(2, 2, 16, 8, device="cuda")
-    assert not _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 8))
-    assert _dispatch.use_triton(q, _dispatch.kvouter_unsupported(q, k, 16))
+    for block_size, triton in ((8, False), (16, True)):
+        args = AttnArgs(q=q, k_cache=k, v_cache=k, block_tables=None, cu_seqlens_q=None, used_kv_lens=None, batch=1,
+                        softmax_scale=1.0, causal=True, return_lse=False, scales=None, out_dtype=q.dtype,
+                        block_size=block_size)
+        assert _dispatch.use_triton(q, _dispatch.kvouter_unsupported(args)) == triton
 
 
 def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
     """Query-outer decode up to decode_max_queries() rows per sequence, KV-outer beyond;
     the bound comes from the host (max_seqlen_q, else the token count), both agree."""
-    from m3_sparse import decode_attention, interface
+    from m3_sparse import api
 
     g = gen(8)
     batch = make_batch(g, [(90, 6), (40, 3)], 16)
@@ -61,18 +65,16 @@ def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
     k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
     sel = random_selection(g, batch, 2, 3, 16)
     seen = []
-    for mod, name in ((decode_attention, "sparse_decode_attention"), (interface, "kvouter_attention")):
-        real = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw))
+    for name in ("_decode", "_kvouter"):
+        real = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw))
     args = (q, k, v, sel, batch.block_tables)
-    limit = interface.decode_max_queries(q, k, v, 16)
-    assert limit == interface.DECODE_MAX_QUERIES_TL  # G = 2: KV-outer runs the tl kernel
+    limit = _dispatch.decode_max_queries(q, k, v, 16)
+    assert limit == _dispatch.DECODE_MAX_QUERIES_TL  # G = 2: KV-outer runs the tl kernel
     a, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16)
     b, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit)
     c, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit + 1)
-    assert seen == ["sparse_decode_attention", "sparse_decode_attention"] + (
-        ["kvouter_attention"] if batch.num_tokens > limit else ["sparse_decode_attention"]
-    )
+    assert seen == ["_decode", "_decode"] + (["_kvouter"] if batch.num_tokens > limit else ["_decode"])
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(a, c, rtol=0, atol=0)
 
@@ -80,7 +82,7 @@ def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
 def test_decode_row_bound_follows_the_kvouter_kernel(monkeypatch):
     """96 rows where KV-outer runs the TMA partials kernel (sm_90, its shapes), 256 where it
     runs the tl kernel: each bound was measured against its own KV-outer."""
-    from m3_sparse import gluon_kvouter, interface, triton_kvouter
+    from m3_sparse.kvouter import partials_gluon_sm90 as gluon_kvouter
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.empty(3, 64, 128, dtype=torch.bfloat16, device=dev)
@@ -88,12 +90,13 @@ def test_decode_row_bound_follows_the_kvouter_kernel(monkeypatch):
     tma = gluon_kvouter.unsupported_reason(q, k, k, 128, None, None, 4, 0) is None
     assert tma == (dev == "cuda" and torch.cuda.get_device_capability() == (9, 0) and gluon_kvouter.HAVE_GLUON
                    and gluon_kvouter.triton_version().startswith(gluon_kvouter.TESTED_TRITON))
-    want = interface.DECODE_MAX_QUERIES if tma else interface.DECODE_MAX_QUERIES_TL
-    assert interface.decode_max_queries(q, k, k, 128) == want
+    want = _dispatch.DECODE_MAX_QUERIES if tma else _dispatch.DECODE_MAX_QUERIES_TL
+    assert _dispatch.decode_max_queries(q, k, k, 128) == want
     q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
-    assert interface.decode_max_queries(q8, k8, k8, 128) == want  # bf16 partials by default
-    assert interface.decode_max_queries(q, k8, k8, 128) == want  # a float q over fp8 caches
-    assert interface.decode_max_queries(q[:, :16], k, k, 128) == interface.DECODE_MAX_QUERIES_TL  # G = 4
-    assert interface.decode_max_queries(q[0], k, k, 128) == interface.DECODE_MAX_QUERIES_TL  # the op will refuse it
-    monkeypatch.setitem(triton_kvouter.ATTN_CONFIG, "engine", "triton")
-    assert interface.decode_max_queries(q, k, k, 128) == interface.DECODE_MAX_QUERIES_TL
+    assert _dispatch.decode_max_queries(q8, k8, k8, 128) == want  # bf16 partials by default
+    assert _dispatch.decode_max_queries(q, k8, k8, 128) == want  # a float q over fp8 caches
+    assert _dispatch.decode_max_queries(q[:, :16], k, k, 128) == _dispatch.DECODE_MAX_QUERIES_TL  # G = 4
+    assert _dispatch.decode_max_queries(q[0], k, k, 128) == _dispatch.DECODE_MAX_QUERIES_TL  # the op will refuse it
+    # The tl kernel asked for by a config: the TMA kernel is not considered.
+    tl_only = m3_sparse.KVOuterConfig(engine="triton")
+    assert _dispatch.tma_partials_reason(q, k, k, 128, None, None, 4, 0, cfg=tl_only) == "engine='triton'"

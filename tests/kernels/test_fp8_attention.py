@@ -38,7 +38,7 @@ from kernel_test_utils import (  # noqa: E402
 )
 from m3_sparse.reference import dense_attention_ref, sparse_attention_ref  # noqa: E402
 
-for _name in ("triton_kvouter", "triton_combine", "triton_decode", "triton_dense_attention"):
+for _name in ("kvouter.partials_triton", "kvouter.combine_triton", "decode.attention_triton", "dense.attention_triton"):
     kernel_module(f"m3_sparse.{_name}")
 
 FP8 = torch.float8_e4m3fn
@@ -229,12 +229,14 @@ def test_composed_triton_entry_points_name_fp8():
     batch, q, k, v, sel = problem(4)
     q8, k8, v8 = (x.clamp(-8, 8).to(FP8) for x in (q, k, v))
     kw = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens, block_size=16)
-    from m3_sparse.triton_decode import sparse_decode_attention_triton
-    from m3_sparse.triton_kvouter import kvouter_attention_triton
+    from m3_sparse.decode.attention_triton import sparse_decode_attention_triton
+    from m3_sparse.dense.attention_triton import dense_paged_attention_triton
 
-    for fn in (sparse_decode_attention_triton, kvouter_attention_triton):
-        with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
-            fn(q8, k8, v8, sel, batch.block_tables, **kw)
+    with pytest.raises(ValueError, match="float8_e4m3fn.*kvouter_attention"):
+        sparse_decode_attention_triton(q8, k8, v8, sel, batch.block_tables, **kw)
+    kw.pop("block_size")
+    with pytest.raises(ValueError, match="float8_e4m3fn.*dense_paged_attention"):
+        dense_paged_attention_triton(q8, k8, v8, batch.block_tables, **kw)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -36,10 +36,14 @@ from kernel_test_utils import (  # noqa: E402
     randn,
     random_selection,
 )
+from m3_sparse import api, dispatch  # noqa: E402
+from m3_sparse.kvouter.plan import KVOuterConfig  # noqa: E402
 from m3_sparse.reference import sparse_attention_ref  # noqa: E402
 
-tkv = kernel_module("m3_sparse.triton_kvouter")
-tcomb = kernel_module("m3_sparse.triton_combine")
+tkv = kernel_module("m3_sparse.kvouter.partials_triton")
+
+from m3_sparse.kvouter import plan as kplan  # noqa: E402
+tcomb = kernel_module("m3_sparse.kvouter.combine_triton")
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -133,7 +137,7 @@ def test_slices_fp16_output_and_tensor_scales(impl, monkeypatch):
 
 
 def test_workspace_rows_count_one_byte_per_value():
-    from m3_sparse.interface import chunk_tokens
+    from m3_sparse.dispatch import chunk_tokens
 
     # Twice the rows of bf16 partials fit the same budget, up to the fp32 m and l.
     bf16_rows = chunk_tokens(10**6, 64, 16, 128, 2, 1 << 30)
@@ -146,12 +150,12 @@ def _stages(batch, sel, qkv, scales, block_size=16, causal=True, tile_q=None, en
     kw = dict(cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE))
     group = q.shape[1] // k.shape[1]
     index = m3_sparse.build_kvouter_index(sel_d, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=-(-batch.capacity // block_size))
-    sched = m3_sparse.schedule(index, tile_q=tile_q or tkv.default_tile_q(group), num_programs=7)
+    sched = m3_sparse.schedule(index, tile_q=tile_q or kplan.default_tile_q(group), num_programs=7)
     s = torch.tensor(scales, dtype=torch.float32, device=DEVICE)
     common = dict(**kw, softmax_scale=SCALE, causal=causal, block_size=block_size, scales=s, out_dtype=BF16, partial_dtype=FP8)
     ref = m3_sparse.kvouter_partials(q, k, v, index, bt, **common)
     with poisoned_allocations():
-        got = tkv.kvouter_partials_triton(q, k, v, index, sched, bt, **common, engine=engine)
+        got = api.kvouter_partials_gpu(q, k, v, index, sched, bt, **common, config=KVOuterConfig(engine=engine or "auto"))
     return index, s, ref, got
 
 
@@ -229,7 +233,7 @@ def test_rows_at_the_largest_value_saturate_not_overflow(impl, monkeypatch):
     # Triton's interpreter, a wrapped exponent). "triton-tl": the tl kernel where sm_90
     # would take the TMA one.
     if impl == "triton-tl":
-        monkeypatch.setitem(tkv.ATTN_CONFIG, "engine", "triton")
+        monkeypatch.setattr(dispatch, "partials_engine", lambda *a, **k: "triton")
         impl = "triton"
     batch, sel, qkv, scales = problem(80)
     q8, k8, v8 = qkv

@@ -25,13 +25,16 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from m3_sparse import triton_combine as tcomb
-from m3_sparse import triton_decode as tdec
-from m3_sparse import triton_dense_attention as tda
-from m3_sparse import triton_index_topk as tix
-from m3_sparse import triton_kvouter as tkv
-from m3_sparse import triton_kvouter_index as tidx
-from m3_sparse import triton_scheduler as tsched
+from m3_sparse.core import split_merge
+from m3_sparse.kvouter import combine_triton as tcomb
+from m3_sparse.decode import attention_triton as tdec
+from m3_sparse.dense import attention_triton as tda
+from m3_sparse.dense import plan as dplan
+from m3_sparse.index import topk_triton as tix
+from m3_sparse.index import plan as iplan
+from m3_sparse.kvouter import partials_triton as tkv
+from m3_sparse.kvouter import build_triton as tidx
+from m3_sparse.kvouter import schedule_triton as tsched
 
 FLOATS = {"qk_scale"}
 
@@ -60,7 +63,7 @@ def index_builder(k, topk, chunk=None, key64=False):
 def partials(dtype="bf16", kv="bf16", po="bf16", pv=None, **kw):
     # pv: the dtype P @ V runs in (the partials' unless they are e4m3).
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False, LOOP=1,
+    cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
               FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[pv or po], NORM=False)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "entry_token_ptr", "seg_offsets_ptr", "tile_seg_ptr",
@@ -72,8 +75,8 @@ def partials(dtype="bf16", kv="bf16", po="bf16", pv=None, **kw):
 def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     # The launcher's prefill tile for q's dtype.
-    block_m = tda.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
-    cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=tda.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
+    block_m = dplan.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
+    cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=dplan.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
               SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out],
               HKV=4, TMA=True)
     cx.update(kw)
@@ -83,10 +86,10 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     box = f"tensordesc<{kv}[{cx['BN']}, {cx['BD']}]>" if cx["TMA"] else "*" + kv
     ptrs.update(k_desc=box, v_desc=box)
     ptrs.update(o_ptr="*" + out if final else "*fp32", lse_ptr="*fp32", l_ptr="*" + out if final else "*fp32")
-    return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=tda.default_num_warps(cx["TM"] * cx["GP"], cx["BD"]))
+    return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=dplan.default_num_warps(cx["TM"] * cx["GP"], cx["BD"]))
 
 def index_topk(q="bf16", k="bf16", final=True, **kw):
-    cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=tix.PREFILL_BM,
+    cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=iplan.PREFILL_BM,
               BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, K_SCALE=False, FP8_DOT=False,
               K_CAST=False, KEY_MAJOR=False, FINAL=final)
     cx.update(kw)
@@ -130,7 +133,7 @@ cases = {
     "decode M3": lambda: decode(),
     "decode M3, merge in a second kernel": lambda: decode(MERGE=False),
     "decode fp8 q/K/V final": lambda: decode(F8, F8, final=True, Q_FP8=True, KV_FP8=True),
-    "decode combine": lambda: build(tdec._decode_combine_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
+    "split merge": lambda: build(split_merge._merge_splits_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
                                     {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32",
                                      "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
     "index rank topk16": lambda: index_builder(tidx._chunk_rank_kernel, 16),
@@ -145,16 +148,13 @@ cases = {
                                {n: I32 for n in ("seg_off_ptr", "tile_base_ptr", "tile_seg_ptr", "tile_start_ptr",
                                                  "tile_end_ptr", "num_tiles_ptr", "prog_ptr")}),
     "partials M3 bf16": lambda: partials(),
-    "partials fp16 G3 no prefetch": lambda: partials("fp16", "fp16", "fp16", G=3, GP=4, TQ=16, D=64, BD=64, BS=64,
-                                                       PS=16, LOOP=0, CAUSAL=False),
-    "partials M3 bf16 resident K/V": lambda: partials(LOOP=2),
-    "partials fp8 q/K/V resident K/V": lambda: partials(F8, F8, "bf16", Q_FP8=True, KV_FP8=True, LOOP=2),
+    "partials fp16 G3": lambda: partials("fp16", "fp16", "fp16", G=3, GP=4, TQ=16, D=64, BD=64, BS=64,
+                                         PS=16, CAUSAL=False),
     "partials fp8 q/K/V": lambda: partials(F8, F8, "bf16", Q_FP8=True, KV_FP8=True),
     "partials fp8 K/V, bf16 q": lambda: partials("bf16", F8, "bf16", KV_FP8=True, WIDEN_K=True),
     "partials fp8 q/K/V D16 (padded tile)": lambda: partials(F8, F8, "fp16", D=16, BD=32, Q_FP8=True, KV_FP8=True),
     "partials fp8 K/V, fp32 q": lambda: partials("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
-    "partials fp8 q/K/V, e4m3 partials": lambda: partials(F8, F8, F8, pv="bf16", Q_FP8=True, KV_FP8=True, NORM=True,
-                                                          LOOP=2),
+    "partials fp8 q/K/V, e4m3 partials": lambda: partials(F8, F8, F8, pv="bf16", Q_FP8=True, KV_FP8=True, NORM=True),
     "combine": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1, RETURN_LSE=True,
                                                          NORM=False, SCALE=False),
                              {"po_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
@@ -173,7 +173,7 @@ cases = {
 def gluon_index(kdt, page, k_scale=False, topk=16, local=1):
     # Hopper only (wgmma): compiled for sm_90 alone.
     from triton.experimental.gluon._runtime import GluonASTSource
-    from m3_sparse import gluon_index_topk as gi
+    from m3_sparse.index import topk_gluon_sm90 as gi
     fn = gi._index_topk_tma_kernel
     names = fn.arg_names
     bits = 8 if kdt == F8 else 16
@@ -192,7 +192,7 @@ def gluon_index(kdt, page, k_scale=False, topk=16, local=1):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": gi.NUM_WARPS})
 
 
-from m3_sparse import gluon_index_topk as _gi
+from m3_sparse.index import topk_gluon_sm90 as _gi
 # Gluon's API moves between Triton releases: the kernel is compiled by the release it names.
 if arch == 90 and _gi.HAVE_GLUON and triton.__version__.startswith(_gi.TESTED_TRITON):
     cases["gluon index prefill, fp8 keys, page 128"] = lambda: gluon_index(F8, 128)

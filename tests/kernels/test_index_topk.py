@@ -268,7 +268,7 @@ def test_empty_batch():
 def test_long_context_block_count():
     """More blocks than one key chunk of the streaming loop: scores of blocks past the
     first chunk must land in the right place."""
-    chunk = importlib.import_module("m3_sparse.index_topk").KEY_CHUNK
+    chunk = importlib.import_module("m3_sparse.index.topk").KEY_CHUNK
     g = gen(16)
     kv = 2 * chunk + 3 * 16 + 5
     assert math.ceil(kv / 16) > 2 * (chunk // 16)

@@ -9,8 +9,8 @@ import torch
 
 import m3_sparse
 from kernel_test_utils import TOLERANCES, assert_close, gen, make_batch, poisoned_allocations, randn, random_selection
-from m3_sparse.interface import chunk_tokens
-from m3_sparse.layout import chunk_varlen, token_positions
+from m3_sparse.dispatch import chunk_tokens
+from m3_sparse.core.layout import chunk_varlen, token_positions
 from m3_sparse.reference import sparse_attention_ref
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -33,10 +33,10 @@ HQ, HKV = 2, 1
 TOPK = 4
 QUADRATIC = N * N * 4
 
-index_mod = importlib.import_module("m3_sparse.index_topk")
-kvouter_mod = importlib.import_module("m3_sparse.kvouter_attention")
-combine_mod = importlib.import_module("m3_sparse.combine")
-dense_mod = importlib.import_module("m3_sparse.dense_attention")
+index_mod = importlib.import_module("m3_sparse.index.topk")
+kvouter_mod = importlib.import_module("m3_sparse.kvouter.partials")
+combine_mod = importlib.import_module("m3_sparse.kvouter.combine")
+dense_mod = importlib.import_module("m3_sparse.dense.attention")
 
 
 class LargestAllocation(TorchDispatchMode):

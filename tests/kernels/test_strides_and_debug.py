@@ -13,9 +13,8 @@ import torch
 
 import m3_sparse
 from kernel_test_utils import gen, make_batch, randn, random_selection
-from m3_sparse import _validate
-from m3_sparse.index_topk import validate_index_topk
-from m3_sparse.interface import validate_kvouter
+from m3_sparse.core import validate as _validate
+from m3_sparse.core.validate import attention_args, index_args
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -150,12 +149,19 @@ def meta_args():
     )
 
 
+def sparse_args(a):
+    return attention_args(
+        a["q"], a["k"], a["k"], a["bt"], cu_seqlens_q=a["cu"], used_kv_lens=a["kv"], softmax_scale=None,
+        causal=True, return_lse=False, selected=a["sel"], block_size=BLOCK,
+    )
+
+
 @pytest.mark.parametrize("value", ["", "0", "false"])
 def test_without_debug_validation_reads_no_device_values(value, monkeypatch):
     monkeypatch.setenv("M3_SPARSE_DEBUG", value)
     a = meta_args()
-    assert validate_kvouter(a["q"], a["k"], a["k"], a["sel"], a["bt"], a["cu"], a["kv"], None, None, BLOCK)[0] == 2
-    validate_index_topk(a["q"][:, :HKV], a["k"][:, 0], a["bt"], a["cu"], a["kv"], TOPK, BLOCK, 1)
+    assert sparse_args(a).batch == 2
+    index_args(a["q"][:, :HKV], a["k"][:, 0], a["bt"], cu_seqlens_q=a["cu"], used_kv_lens=a["kv"], topk=TOPK, block_size=BLOCK)
     _validate.check_selected_values(a["sel"], 4)  # build_kvouter_index's value check
 
 
@@ -165,7 +171,7 @@ def test_debug_reads_device_values(value, monkeypatch):
     assert _validate.debug_enabled()
     a = meta_args()
     with pytest.raises(NotImplementedError):  # it tried to copy the values to the host
-        validate_kvouter(a["q"], a["k"], a["k"], a["sel"], a["bt"], a["cu"], a["kv"], None, None, BLOCK)
+        sparse_args(a)
 
 
 @pytest.mark.gpu

@@ -37,11 +37,14 @@ from kernel_test_utils import (  # noqa: E402
     randn,
     random_selection,
 )
-from m3_sparse.decode_attention import sparse_decode_attention_torch  # noqa: E402
+from m3_sparse.decode.attention_triton import DecodeConfig  # noqa: E402
 from m3_sparse.reference import sparse_attention_ref  # noqa: E402
 
 
-tdec = kernel_module("m3_sparse.triton_decode")
+tdec = kernel_module("m3_sparse.decode.attention_triton")
+
+
+from m3_sparse.decode import plan as decplan  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]
@@ -65,18 +68,25 @@ def _setup(seed, seqs, page_size, block_size, hq, hkv, d, topk, dtype, *, causal
     return batch, q, k, v, sel
 
 
+def decode_torch(*args, **kw):
+    """The torch path of ``sparse_decode_attention`` whatever the device."""
+    return m3_sparse.sparse_decode_attention(*args, **kw, config=DecodeConfig(impl="torch"))
+
+
 def _oracle(batch, q, k, v, sel, block_size, causal=True, scale=None):
     return sparse_attention_ref(
         q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, scale, causal, block_size
     )
 
 
-def _run_triton(batch, q, k, v, sel, block_size, *, causal=True, scale=None, return_lse=True, **launch):
+def _run_triton(batch, q, k, v, sel, block_size, *, causal=True, scale=None, return_lse=True, arrival_counts=None,
+                **launch):
     qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
     with poisoned_allocations():
         out, lse = tdec.sparse_decode_attention_triton(
             qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=scale, causal=causal,
-            block_size=block_size, return_lse=return_lse, **launch,
+            block_size=block_size, return_lse=return_lse, config=decplan.DecodeConfig(**launch),
+            arrival_counts=arrival_counts,
         )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not is_poisoned(out).any(), "output elements never written"
@@ -125,7 +135,7 @@ def test_decode_matches_reference(page_size, block_size, hq, hkv, topk, dtype, n
 def test_torch_version_matches_reference(dtype):
     batch, q, k, v, sel = _setup(11, DECODE_SEQS, 16, 32, 8, 2, 16, 6, dtype)
     with poisoned_allocations():
-        out, lse = sparse_decode_attention_torch(
+        out, lse = decode_torch(
             q, k, v, sel, batch.block_tables, **batch.kwargs(), softmax_scale=0.25, causal=True, block_size=32,
             return_lse=True,
         )
@@ -138,7 +148,7 @@ def test_non_causal_sees_the_whole_sequence():
     ref = _oracle(batch, q, k, v, sel, 16, causal=False)
     out, lse = _run_triton(batch, q, k, v, sel, 16, causal=False, num_splits=2)
     _check("triton", ref, out, lse, torch.float32)
-    out_t, lse_t = sparse_decode_attention_torch(
+    out_t, lse_t = decode_torch(
         q, k, v, sel, batch.block_tables, **batch.kwargs(), softmax_scale=16**-0.5, causal=False, block_size=16,
         return_lse=True,
     )
@@ -332,13 +342,12 @@ def test_public_entry_validates(monkeypatch):
 
 def test_default_num_splits_from_shapes(monkeypatch):
     cpu = torch.device("cpu")  # stands in for 4 SMs
-    monkeypatch.setitem(tdec.DECODE_CONFIG, "programs_per_sm", 4)
-    monkeypatch.setitem(tdec.DECODE_CONFIG, "min_chunks_per_split", 2)
-    assert tdec.default_num_splits(16, 1, 16, 128, cpu) == 1  # the tokens alone fill the target
-    assert tdec.default_num_splits(1, 1, 16, 128, cpu, block_n=64) == 16  # 16 programs of 2 chunks
-    assert tdec.default_num_splits(1, 1, 2, 128, cpu, block_n=128) == 1  # one chunk each: nothing to split
+    cfg = decplan.DecodeConfig(programs_per_sm=4, min_chunks_per_split=2)
+    assert decplan.default_num_splits(16, 1, 16, 128, cpu, cfg=cfg) == 1  # the tokens alone fill the target
+    assert decplan.default_num_splits(1, 1, 16, 128, cpu, block_n=64, cfg=cfg) == 16  # 16 programs of 2 chunks
+    assert decplan.default_num_splits(1, 1, 2, 128, cpu, block_n=128, cfg=cfg) == 1  # one chunk each: nothing to split
     for n, want in ((1, 4), (2, 4), (3, 4), (5, 2)):
-        assert tdec.default_num_splits(n, 2, 4, 32, cpu, block_n=16) == want  # at most 8 chunks / 2
+        assert decplan.default_num_splits(n, 2, 4, 32, cpu, block_n=16, cfg=cfg) == want  # at most 8 chunks / 2
 
 
 # --------------------------------------------------------------------------- GPU code generation
@@ -354,7 +363,9 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from m3_sparse import triton_decode as tdec
+from m3_sparse.decode import attention_triton as tdec
+from m3_sparse.decode import plan as decplan
+from m3_sparse.core import split_merge
 
 import triton.language as tl
 
@@ -392,7 +403,7 @@ cases = {
     "fp8-kv": lambda: split_case("bf16", 4, kv_dtype="fp8e4nv", KV_FP8=True, WIDEN_K=True),
     "fp8-qkv-final": lambda: split_case("fp8e4nv", 4, kv_dtype="fp8e4nv", Q_FP8=True, KV_FP8=True, FINAL=True),
     "combine": lambda: build(
-        tdec._decode_combine_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
+        split_merge._merge_splits_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
         {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}, 4),
 }
 for name, make in cases.items():
@@ -427,7 +438,7 @@ if HAS_CUDA:
         seqs = [(5000, 1), (129, 16), (77, 3), (1300, 4), (2048, 8)]
         batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16)
         qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
-        ref = sparse_decode_attention_torch(
+        ref = decode_torch(
             qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=128**-0.5, causal=True,
             block_size=128, return_lse=True,
         )

@@ -31,11 +31,14 @@ from kernel_test_utils import (  # noqa: E402
     poisoned_allocations,
     randn,
 )
-from m3_sparse.dense_attention import dense_paged_attention_torch  # noqa: E402
+import m3_sparse  # noqa: E402
 from m3_sparse.reference import dense_attention_ref  # noqa: E402
 
 
-tda = kernel_module("m3_sparse.triton_dense_attention")
+tda = kernel_module("m3_sparse.dense.attention_triton")
+
+
+from m3_sparse.dense import plan as dplan  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]
@@ -55,12 +58,18 @@ def _problem(seed, seqs, page_size, hq, hkv, d, dtype, pad="pool"):
     return batch, q, k, v
 
 
-def _run(batch, q, k, v, causal, return_lse=True, **kwargs):
+def dense_torch(*args, **kw):
+    """The torch path of ``dense_paged_attention`` whatever the device."""
+    return m3_sparse.dense_paged_attention(*args, **kw, config=dplan.DenseConfig(impl="torch"))
+
+
+def _run(batch, q, k, v, causal, return_lse=True, max_seqlen_q=None, **launch):
     q, k, v, bt = (x.to(DEVICE) for x in (q, k, v, batch.block_tables))
     kw = {"cu_seqlens_q": batch.cu_seqlens_q.to(DEVICE), "used_kv_lens": batch.used_kv_lens.to(DEVICE)}
     with poisoned_allocations():
         out, lse = tda.dense_paged_attention_triton(
-            q, k, v, bt, **kw, softmax_scale=SCALE, causal=causal, return_lse=return_lse, **kwargs
+            q, k, v, bt, **kw, softmax_scale=SCALE, causal=causal, return_lse=return_lse, max_seqlen_q=max_seqlen_q,
+            config=dplan.DenseConfig(**launch),
         )
     assert out.shape == q.shape and out.dtype == q.dtype
     bad = is_poisoned(out)
@@ -85,7 +94,7 @@ def _check(batch, q, k, v, causal, dtype, out, lse, against_torch=True):
     dead = ref_lse.transpose(0, 1) == float("-inf")  # [Tq, Hq]
     assert torch.all(out[dead] == 0)
     if against_torch:
-        t_o, t_lse = dense_paged_attention_torch(
+        t_o, t_lse = dense_torch(
             q, k, v, batch.block_tables, **batch.kwargs(), softmax_scale=SCALE, causal=causal, return_lse=True
         )
         # Both round to the output dtype once: twice the oracle's budget.
@@ -188,13 +197,13 @@ def test_key_splits_decode_strided_no_lse(num_splits):
 def test_default_splits_follow_the_shapes():
     cpu = torch.device("cpu")  # stands for a 4-SM device: 16 programs wanted
     # Prefill fills the programs: no split.
-    assert tda.default_num_splits(4096, 1, 4, 1, 4096, cpu) == 1
+    assert dplan.default_num_splits(4096, 1, 4, 1, 4096, cpu) == 1
     # One decode token on 1 kv head: 8 splits, if the capacity has 8 x min_key_tiles key tiles.
-    tiles = tda.SPLIT_CONFIG["min_key_tiles"]
-    assert tda.default_num_splits(1, 1, 1, 1, 8 * tiles * tda.BLOCK_N, cpu) == 8
+    tiles = dplan.DEFAULT_CONFIG.min_key_tiles
+    assert dplan.default_num_splits(1, 1, 1, 1, 8 * tiles * dplan.BLOCK_N, cpu) == 8
     # A short capacity caps the splits (a power of two).
-    assert tda.default_num_splits(1, 1, 1, 1, 3 * tiles * tda.BLOCK_N, cpu) == 2
-    assert tda.default_num_splits(1, 1, 1, 1, 16, cpu) == 1
+    assert dplan.default_num_splits(1, 1, 1, 1, 3 * tiles * dplan.BLOCK_N, cpu) == 2
+    assert dplan.default_num_splits(1, 1, 1, 1, 16, cpu) == 1
 
 
 def test_bad_num_splits():
@@ -211,11 +220,11 @@ def test_m3_decode_key_splits_agree():
     seqs = [(8192 - 300 * i, 1) for i in range(8)]
     batch, q, k, v = _problem(99, seqs, 64, 64, 4, 128, torch.bfloat16)
     kw = dict(max_seqlen_q=1)
-    split = tda.default_num_splits(8, 8, 4, 1, batch.capacity, DEVICE)
+    split = dplan.default_num_splits(8, 8, 4, 1, batch.capacity, DEVICE)
     assert split > 1
     out_s, lse_s = _run(batch, q, k, v, True, **kw)
     out_1, lse_1 = _run(batch, q, k, v, True, num_splits=1, **kw)
-    t_o, t_lse = dense_paged_attention_torch(
+    t_o, t_lse = dense_torch(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), batch.block_tables.to(DEVICE),
         cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE),
         softmax_scale=SCALE, causal=True, return_lse=True,
@@ -261,7 +270,7 @@ def test_tma_at_m3_shapes():
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for page_size in (64, 128):
             cache = torch.empty(5, 4, page_size, 128, dtype=dtype)
-            assert tda._tma_unusable(cache, cache, tda.BLOCK_N, 128) is None
+            assert tda._tma_unusable(cache, cache, dplan.BLOCK_N, 128) is None
 
 
 def test_tma_required_but_unusable():

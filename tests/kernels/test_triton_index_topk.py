@@ -29,9 +29,22 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import gen, is_poisoned, make_batch, poisoned_allocations, randn  # noqa: E402
 from m3_sparse.reference import index_topk_ref  # noqa: E402
-from m3_sparse.triton_index_topk import _index_topk_launch, index_topk_triton  # noqa: E402
+import m3_sparse  # noqa: E402
+from m3_sparse.index.plan import IndexConfig  # noqa: E402
 
-if not ON_GPU and type(sys.modules["m3_sparse.triton_index_topk"]._index_topk_kernel).__name__ != "InterpretedFunction":
+LAUNCH_CHOICES = ("block_m", "block_k", "num_splits", "num_warps", "num_stages", "key_major", "maxnreg", "engine")
+
+
+def index_topk_triton(*args, **kw):
+    """``index_topk`` pinned to the kernels (the interpreter on the CPU), launch choices as
+    keywords."""
+    choices = {k: kw.pop(k) for k in LAUNCH_CHOICES if k in kw}
+    return m3_sparse.index_topk(*args, **kw, config=IndexConfig(impl="triton", **choices))
+
+
+_index_topk_launch = index_topk_triton
+
+if not ON_GPU and type(sys.modules["m3_sparse.index.topk_triton"]._index_topk_kernel).__name__ != "InterpretedFunction":
     raise ImportError(
         "triton was imported before TRITON_INTERPRET=1 was set, so the kernels cannot run on this CPU-only "
         "machine: set TRITON_INTERPRET=1 in the environment (or in conftest.py before importing m3_sparse)"
@@ -47,7 +60,7 @@ TIE_TOL = 1e-4
 # ~4e-3 of the score itself (seen on the H200: two blocks 3.5e-3 apart swapped places).
 FP8_TIE_TOL = 1e-2
 # Head dim and index heads of the test problems; lengths scale with SCALE.
-DIM = 128 if ON_GPU else 16
+DIM = 128 if ON_GPU else 32  # 32: the fp8 dot needs an index head dim of at least 32
 HEADS = 4 if ON_GPU else 3
 SCALE = 8 if ON_GPU else 1
 
@@ -461,7 +474,7 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
 
 
 def _gluon_platform_reason():
-    from m3_sparse._gluon import platform_reason
+    from m3_sparse.core.gluon import platform_reason
 
     if not ON_GPU:
         return "no CUDA device"
@@ -532,7 +545,7 @@ def test_engine_choice_is_checked():
 def test_auto_engine_takes_gluon_where_faster(monkeypatch, keys, expect_gluon):
     """engine='auto' runs the Gluon kernel only for fp8 keys with one scale (where it
     measured faster); the selections are the tl kernel's either way."""
-    from m3_sparse import gluon_index_topk as gi
+    from m3_sparse.index import topk_gluon_sm90 as gi
 
     calls = []
     real = gi.index_topk_tma

@@ -34,11 +34,14 @@ from kernel_test_utils import (  # noqa: E402
     randn,
     random_selection,
 )
+from m3_sparse import api  # noqa: E402
+from m3_sparse.kvouter.plan import KVOuterConfig  # noqa: E402
 from m3_sparse.reference import sparse_attention_ref  # noqa: E402
 
 
-tcomb = kernel_module("m3_sparse.triton_combine")
-tkv = kernel_module("m3_sparse.triton_kvouter")
+tcomb = kernel_module("m3_sparse.kvouter.combine_triton")
+tkv = kernel_module("m3_sparse.kvouter.partials_triton")
+from m3_sparse.kvouter import plan as kplan  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]
@@ -67,16 +70,28 @@ def _device_batch(batch):
     }
 
 
-def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, loop=None, engine=None):
+def partials_gpu(*args, engine="auto", **kw):
+    """The partials stage on the kernels (the interpreter on the CPU), ``engine`` as asked."""
+    return api.kvouter_partials_gpu(*args, **kw, config=KVOuterConfig(engine=engine))
+
+
+def kvouter_triton(*args, tile_q=None, num_programs=None, **kw):
+    """``kvouter_attention`` pinned to the Triton stages, with the schedule's shape given."""
+    return m3_sparse.kvouter_attention(
+        *args, **kw, config=KVOuterConfig(impl="triton", tile_q=tile_q, num_programs=num_programs)
+    )
+
+
+def _run_partials(batch, q, k, v, sel, block_size, causal, scale, tile_q, num_programs, engine="auto", **tl):
     q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     kw = _device_batch(batch)
     max_blocks = -(-batch.capacity // block_size)
     index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=max_blocks)
     sched = m3_sparse.schedule(index, tile_q=tile_q, num_programs=num_programs)
     with poisoned_allocations():
-        got = tkv.kvouter_partials_triton(
+        got = api.kvouter_partials_gpu(
             q, k, v, index, sched, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size,
-            loop=loop, engine=engine,
+            config=KVOuterConfig(engine=engine, **tl),
         )
     ref = m3_sparse.kvouter_partials(q, k, v, index, bt, **kw, softmax_scale=scale, causal=causal, block_size=block_size)
     return index, got, ref
@@ -113,15 +128,14 @@ PARTIAL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("loop", list(tkv.LOOPS))
 @pytest.mark.parametrize("hq,hkv,page_size,block_size,dtype,causal,tile_q,num_programs", PARTIAL_CASES)
-def test_partials_match_torch(hq, hkv, page_size, block_size, dtype, causal, tile_q, num_programs, loop):
+def test_partials_match_torch(hq, hkv, page_size, block_size, dtype, causal, tile_q, num_programs):
     seed = hq * 100 + page_size + block_size
     # Ragged: one sequence shorter than a block, one exactly a block, several blocks.
     seqs = [(block_size // 2 + 1, 5), (block_size, block_size // 2), (3 * block_size + 3, 6)]
     batch, q, k, v, sel = _setup(seed, seqs, page_size, block_size, hq, hkv, 16, 4, dtype, causal)
-    tile_q = tile_q or tkv.default_tile_q(hq // hkv)
-    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, causal, 0.3, tile_q, num_programs, loop)
+    tile_q = tile_q or kplan.default_tile_q(hq // hkv)
+    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, causal, 0.3, tile_q, num_programs)
     assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
     _check_partials(index, got, ref, dtype)
 
@@ -140,15 +154,14 @@ def test_partials_all_slots_empty():
 
 if HAS_CUDA:
 
-    @pytest.mark.parametrize("loop", list(tkv.LOOPS))
     @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
     @pytest.mark.parametrize("page_size", [64, 128])
     @pytest.mark.parametrize("causal", [True, False])
-    def test_partials_match_torch_cuda(hq, hkv, page_size, causal, loop):
+    def test_partials_match_torch_cuda(hq, hkv, page_size, causal):
         seqs = [(1000, 300), (77, 77), (129, 1), (640, 128)]
         batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16, causal)
         index, got, ref = _run_partials(
-            batch, q, k, v, sel, 128, causal, 128**-0.5, tkv.default_tile_q(hq // hkv), 132, loop
+            batch, q, k, v, sel, 128, causal, 128**-0.5, kplan.default_tile_q(hq // hkv), 132
         )
         _check_partials(index, got, ref, torch.bfloat16)
 
@@ -166,11 +179,12 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from m3_sparse import triton_kvouter as tkv
+from m3_sparse.kvouter import partials_triton as tkv
+from m3_sparse.kvouter import plan as kplan
 
 k = tkv._kvouter_partials_kernel
 cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
-          LOOP=tkv.LOOPS["resident"], FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False,
+          FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False,
           PV_DT=triton.language.bfloat16, NORM=False)
 names = list(k.arg_names)
 ptrs = {n for n in names if n.endswith("_ptr")}
@@ -300,7 +314,7 @@ def test_composed_matches_reference(seqs, page_size, block_size, hq, hkv, topk, 
     batch, q, k, v, sel = _setup(len(seqs) + topk + hq, seqs, page_size, block_size, hq, hkv, 16, topk, dtype, causal)
     qd, kd, vd, seld, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     with poisoned_allocations():
-        out, lse = tkv.kvouter_attention_triton(
+        out, lse = kvouter_triton(
             qd, kd, vd, seld, bt, **_device_batch(batch), causal=causal, block_size=block_size, return_lse=True,
             num_programs=3,
         )
@@ -324,7 +338,7 @@ def test_composed_repeated_ids_and_empty_rows():
     outs = []
     for s in (rep, single):
         qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, s, batch.block_tables)
-        outs.append(tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=16, return_lse=True))
+        outs.append(kvouter_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=16, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     out, lse = outs[0]
     assert torch.all(out[0] == 0) and torch.all(lse[:, 0] == float("-inf"))
@@ -339,7 +353,7 @@ def test_block_table_padding_is_never_read(pad):
     k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
     sel = random_selection(g, batch, 2, 3, 32, empty_frac=0.0, dup_frac=0.0)
     qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
-    out, lse = tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=32, return_lse=True)
+    out, lse = kvouter_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=32, return_lse=True)
     ref = sparse_attention_ref(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, None, True, 32)
     assert_close("out", ref[0], out, 1e-5)
     assert_close("lse", ref[1], lse, 1e-5)
@@ -353,12 +367,12 @@ def test_rejects_unsupported_block_size():
     sel = torch.zeros(2, 1, 1, dtype=torch.int32)
     qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
     with pytest.raises(ValueError, match="block_size"):
-        tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=48)
+        kvouter_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=48)
 
 
 # --------------------------------------------------------------------------- TMA engine (sm_90)
 
-gkv = kernel_module("m3_sparse.gluon_kvouter")
+gkv = kernel_module("m3_sparse.kvouter.partials_gluon_sm90")
 
 
 def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_dtype=None, tile_q=4, pages=2, **kw):
@@ -412,8 +426,8 @@ def test_tma_engine_errors_name_the_reason():
         _run_partials(batch, q, k, v, sel, 16, True, 0.3, 4, 2, engine="tma")
     with pytest.raises(ValueError, match="engine: one of"):
         _run_partials(batch, q, k, v, sel, 16, True, 0.3, 4, 2, engine="cuda")
-    with pytest.raises(ValueError, match="engine='tma': num_warps / num_stages / maxnreg / loop"):
-        _run_partials(batch, q.bfloat16(), k.bfloat16(), v.bfloat16(), sel, 16, True, 0.3, 4, 2, loop="resident", engine="tma")
+    with pytest.raises(ValueError, match="engine='tma': num_warps / num_stages / maxnreg"):
+        _run_partials(batch, q.bfloat16(), k.bfloat16(), v.bfloat16(), sel, 16, True, 0.3, 4, 2, num_stages=1, engine="tma")
     if not HAS_CUDA:
         batch = make_batch(g, [(140, 5)], 16)
         q, k, v = randn(g, 5, 8, 64, dtype=torch.bfloat16), batch.kv_cache(g, 1, 64, torch.bfloat16), batch.kv_cache(g, 1, 64, torch.bfloat16)
@@ -440,9 +454,9 @@ if HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and gkv.triton_vers
 if TMA_OK:
 
     def test_auto_engine_runs_the_tma_kernel(monkeypatch):
-        """engine=None (ATTN_CONFIG "auto") on the M3 shape launches the TMA kernel; on G = 4
+        """The default engine ("auto") on the M3 shape launches the TMA kernel; on G = 4
         the tl kernel, both right against the torch stage."""
-        assert tkv.ATTN_CONFIG["engine"] == "auto"
+        assert kplan.DEFAULT_CONFIG.engine == "auto"
         calls = []
         real = gkv.kvouter_partials_tma
         monkeypatch.setattr(gkv, "kvouter_partials_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -453,7 +467,7 @@ if TMA_OK:
             k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
             sel = random_selection(g, batch, 4, 16, 128)
             calls.clear()
-            index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, tkv.default_tile_q(hq // 4), 132)
+            index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, kplan.default_tile_q(hq // 4), 132)
             assert len(calls) == want
             _check_partials(index, got, ref, torch.bfloat16)
 
@@ -525,9 +539,9 @@ if TMA_OK:
         args = (q8, k8, v8, index)
         common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype)
         with poisoned_allocations():
-            got = tkv.kvouter_partials_triton(*args, sched, bt, **common, engine="tma")
+            got = partials_gpu(*args, sched, bt, **common, engine="tma")
         ref = m3_sparse.kvouter_partials(*args, bt, **common)
-        same_mma = tkv.kvouter_partials_triton(*args, sched, bt, **common, engine="triton")
+        same_mma = partials_gpu(*args, sched, bt, **common, engine="triton")
         po, pm, pl = got
         used = int(index.seg_offsets[-1])
         for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
@@ -577,9 +591,9 @@ if TMA_OK:
         common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=128, scales=scales, out_dtype=dtype,
                       partial_dtype=partial_dtype)  # fmt: skip
         with poisoned_allocations():
-            got = tkv.kvouter_partials_triton(q, k8, v8, index, sched, bt, **common, engine="tma")
+            got = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="tma")
         ref = m3_sparse.kvouter_partials(q, k8, v8, index, bt, **common)
-        same = tkv.kvouter_partials_triton(q, k8, v8, index, sched, bt, **common, engine="triton")
+        same = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="triton")
         po, pm, pl = got
         used = int(index.seg_offsets[-1])
         for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
@@ -608,7 +622,7 @@ if TMA_OK:
         kw = _device_batch(batch)
         index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * 128 // 128)
         sched = m3_sparse.schedule(index, tile_q=4, num_programs=264)
-        run = lambda eng: tkv.kvouter_partials_triton(  # noqa: E731
+        run = lambda eng: partials_gpu(  # noqa: E731
             q, k, v, index, sched, bt, **kw, softmax_scale=0.088, block_size=128, engine=eng
         )
         want = run("triton")
@@ -680,7 +694,7 @@ if HAS_CUDA:
         top = torch.where(score.gather(-1, top.long()) >= 0, top, -1)
         sel = torch.cat([local[:, None, None].expand(n, hkv, 1).to(torch.int32), top], -1)
         assert n * hkv * topk * (hq // hkv) * d > 2**31
-        out, lse = tkv.kvouter_attention_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
+        out, lse = kvouter_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
         tokens = torch.cat([torch.arange(0, 64, device=dev), torch.arange(n - 192, n, device=dev)])
         ref_out, ref_lse = sampled_reference(q, k, v, sel, bt, cu, kv, tokens, blk, d**-0.5)
         assert_close("out (sampled)", ref_out, out[tokens].float(), TOLERANCES[torch.bfloat16])
@@ -693,7 +707,7 @@ if HAS_CUDA:
         qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
         kw = _device_batch(batch)
         with poisoned_allocations():
-            out, lse = tkv.kvouter_attention_triton(qd, kd, vd, sd, bt, **kw, return_lse=True)
+            out, lse = kvouter_triton(qd, kd, vd, sd, bt, **kw, return_lse=True)
         ref_out, ref_lse = m3_sparse.kvouter_attention(qd, kd, vd, sd, bt, **kw, return_lse=True)
         assert_close("out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
         assert_close("lse", ref_lse, lse, LSE_TOL)

@@ -23,8 +23,8 @@ triton = pytest.importorskip("triton")
 import m3_sparse  # noqa: E402
 from kernel_test_utils import gen, kernel_module, poisoned_allocations  # noqa: E402
 
-tidx = kernel_module("m3_sparse.triton_kvouter_index")
-tsched = kernel_module("m3_sparse.triton_scheduler")
+tidx = kernel_module("m3_sparse.kvouter.build_triton")
+tsched = kernel_module("m3_sparse.kvouter.schedule_triton")
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 INDEX_FIELDS = ("seg_offsets", "entry_token", "entry_rank", "entry_segment", "slot_of")

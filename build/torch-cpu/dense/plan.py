@@ -1,0 +1,127 @@
+"""Host-side plan of the dense kernel: launch choices (``DenseConfig``), tile sizes and the
+split count (from shapes only), and what the kernel cannot take. No Triton here, so the
+package imports where only the torch path runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.args import AttnArgs
+from ..core.launch import MAX_SPLITS, next_pow2, num_sms
+
+# Rows per tile (tokens x padded heads) and keys per tile; BLOCK_M is a cap, a
+# decode batch gets fewer tokens per tile (see tile_tokens). 128 x 64 tiles with 4 warps
+# and 2 stages won the H200 sweep on M3's prefill (docs/PERF.md, "Dense paged attention").
+# fp32 q (the FMA dot, spilling heavily at either size: ptxas for sm_90 puts 94 KB of
+# spill stores in the 128-row tile, 54 KB in the 64-row one) was not timed; it keeps 64.
+BLOCK_M = 128
+BLOCK_M_FP32 = 64
+BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """Launch choices of the dense kernel; None picks the default. They never change results
+    beyond rounding.
+
+    ``block_m`` / ``block_n``: query rows and keys per tile (``block_n`` a power of two >= 16,
+    it need not divide the page size); ``num_splits`` (1..``MAX_SPLITS``) splits every tile's
+    keys, by default from the shapes: ``programs_per_sm`` programs per SM with at least
+    ``min_key_tiles`` key tiles per split; ``use_tma``: load each key tile as one TMA box of
+    its page (None: wherever ``_tma_unusable`` finds no obstacle; True: required, a
+    ValueError says why not; False: gathered pointer loads).
+    """
+
+    impl: str = "auto"  # "torch" / "triton" pin the implementation (else M3_SPARSE_IMPL decides)
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    num_splits: int | None = None
+    use_tma: bool | None = None
+    programs_per_sm: int = 4
+    min_key_tiles: int = 8
+
+
+DEFAULT_CONFIG = DenseConfig()
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """Tiling of one call (host ints only)."""
+
+    gp: int  # the head group, padded to a power of two
+    tm: int  # tokens per query tile (tm * gp rows)
+    bn: int  # keys per tile
+    bd: int  # head-dim tile
+    num_splits: int  # key splits per (query tile, kv head)
+    num_warps: int
+    num_stages: int
+
+
+def default_num_warps(rows: int, block_d: int) -> int:
+    """Four warps up to a 128 x 128 fp32 accumulator (a 128-row tile with 4 warps beat 8
+    by 16-30% on the H200), eight beyond it (256 rows with 4 warps ran 3.3x slower)."""
+    return 8 if rows * block_d > 128 * 128 else 4
+
+
+def default_block_m(q_dtype: torch.dtype) -> int:
+    return BLOCK_M_FP32 if q_dtype == torch.float32 else BLOCK_M
+
+
+def tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
+    """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
+    and at least 16 rows (the smallest MMA M)."""
+    tm = min(max(1, block_m // group_pad), next_pow2(max(1, max_q)))
+    return max(tm, next_pow2(-(-16 // group_pad)))
+
+
+def default_num_splits(
+    num_tokens: int, batch: int, num_kv_heads: int, tile_tokens: int, capacity: int, device, block_n: int = BLOCK_N,
+    cfg: DenseConfig | None = None,
+) -> int:
+    """Key splits per (query tile, kv head), from shapes only: 1 when the query tiles fill
+    the GPU (prefill), else a power of two up to ``MAX_SPLITS`` that brings the programs
+    to ``cfg.programs_per_sm`` per SM, keeping ``cfg.min_key_tiles`` key tiles of the
+    block-table capacity per split."""
+    cfg = cfg or DEFAULT_CONFIG
+    tiles = max(-(-num_tokens // tile_tokens), min(batch, num_tokens), 1)
+    programs = tiles * num_kv_heads
+    target = num_sms(device, cpu_default=4) * cfg.programs_per_sm
+    if programs >= target:
+        return 1
+    most = max(1, min(MAX_SPLITS, -(-capacity // block_n) // cfg.min_key_tiles))
+    return max(1, min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1)))
+
+
+def shape_reason(args: AttnArgs) -> str | None:
+    """Why the kernel cannot take this call (None when it can)."""
+    for name, t in (("q", args.q), ("k_cache", args.k_cache), ("v_cache", args.v_cache)):
+        if t.stride(-1) != 1:
+            return f"the Triton dense kernel needs {name} with a contiguous head dim (stride 1), got stride {t.stride(-1)}"
+    return None
+
+
+def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
+    """The tiling of ``args`` (pure: shapes, dtypes and the SM count)."""
+    bn = BLOCK_N if cfg.block_n is None else int(cfg.block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
+    gp = next_pow2(args.group)
+    rows_q = args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
+    tm = tile_tokens(gp, rows_q, default_block_m(args.q.dtype) if cfg.block_m is None else int(cfg.block_m))
+    # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
+    bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
+    num_splits = cfg.num_splits
+    if num_splits is None:
+        capacity = args.block_tables.shape[1] * args.page_size
+        num_splits = default_num_splits(args.num_tokens, args.batch, args.hkv, tm, capacity, args.q.device, bn, cfg)
+    num_splits = int(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected 1..{MAX_SPLITS}, got {num_splits}")
+    return DensePlan(
+        gp=gp, tm=tm, bn=bn, bd=bd, num_splits=num_splits,
+        num_warps=cfg.num_warps or default_num_warps(tm * gp, bd), num_stages=cfg.num_stages,
+    )

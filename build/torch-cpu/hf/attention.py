@@ -1,0 +1,342 @@
+"""transformers integration of ``attn_implementation="m3_sparse"``.
+
+Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own module):
+
+1. ``past_key_values.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
+   and returns the page pools;
+2. ``self.indexer(...)``: while ``m3_sparse`` is active the indexer's forward is
+   :func:`indexer_forward`: same projections, norms and rotary embedding, then the
+   index keys go to the paged index cache and ``m3_sparse.index_topk`` selects the
+   blocks (no ``[Sq, Sk]`` score tensor);
+3. the attention interface, :func:`m3_sparse_attention`, runs
+   ``m3_sparse.sparse_attention`` on the pages (the decode kernel or KV-outer, chosen from
+   the step's query length), and ``dense_paged_attention`` for full-attention layers,
+   for sparse layers whose history every query selects whole, and, bidirectional, for
+   the vision tower.
+
+The mask function hands the attention function the 2-D padding mask unchanged
+(never a 4-D mask), from which it learns how many of each sequence's new tokens are
+real (right padding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
+
+from .. import api
+from ..core.validate import debug_enabled
+from . import tp
+from .cache import ATTN_IMPLEMENTATION, M3PagedCache, M3PagedLayer, paged_layer_of, uses_m3_sparse
+from .mask import create_causal_mask, m3_sparse_mask, new_token_layout, step_mask
+
+EPHEMERAL_PAGE_SIZE = 64
+
+# A second copy of this module (another kernel build loaded side by side) must not wrap
+# the patched functions again: the originals are kept on the patches.
+_ORIGINAL_INDEXER_FORWARD = getattr(m3.MiniMaxM3VLIndexer.forward, "m3_sparse_original", m3.MiniMaxM3VLIndexer.forward)
+
+
+def is_active(config) -> bool:
+    return uses_m3_sparse(config)
+
+
+def _on_input_device(fn):
+    """Run ``fn(module, x, ...)`` with ``x``'s GPU as the current CUDA device: Triton launches
+    on the current device, and with a ``device_map`` a layer may sit on another GPU."""
+
+    @functools.wraps(fn)
+    def wrapper(module, x, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return fn(module, x, *args, **kwargs)
+        return fn(module, x, *args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------
+# layout helpers
+# ---------------------------------------------------------------------------------------
+def _pages_from_contiguous(x: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, H, S, D] -> page pool [B * W, H, page_size, D] and block tables [B, W] (a copy)."""
+    b, h, s, d = x.shape
+    w = max(1, -(-s // page_size))
+    x = torch.nn.functional.pad(x, (0, 0, 0, w * page_size - s))
+    pool = x.view(b, h, w, page_size, d).permute(0, 2, 1, 3, 4).reshape(b * w, h, page_size, d)
+    tables = torch.arange(b * w, dtype=torch.int32, device=x.device).view(b, w)
+    return pool.contiguous(), tables
+
+
+def _check_no_holes(attention_mask: torch.Tensor | None, q_len: int) -> None:
+    """A contiguous (non-paged) cache cannot skip padding inside the history."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] == q_len:
+        return
+    if attention_mask.device.type != "cpu" and not debug_enabled():
+        return
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            "m3_sparse: a padded batch with a cache other than M3PagedCache leaves padding inside the key history, "
+            "which this path cannot skip. Pass past_key_values=m3_hf_attention.M3PagedCache(...) (generate() does "
+            "so by default with attn_implementation='m3_sparse')."
+        )
+
+
+def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.Tensor | None):
+    """Pages of a contiguous history [B, H, Sk, D] without a paged cache.
+
+    Leading pads of the new tokens are dropped by shifting each row left (the rows
+    then stay right aligned on ``Sk - lead``); padding inside an older history cannot
+    be dropped this way and is rejected by :func:`_check_no_holes`.
+    """
+    batch, sk = x.shape[0], x.shape[2]
+    lead, _ = new_token_layout(mask, batch, sk, q_len, x.device)
+    if sk == q_len:
+        src = (torch.arange(sk, device=x.device)[None, :] + lead[:, None]).clamp(max=sk - 1)
+        x = x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+    pool, tables = _pages_from_contiguous(x, page_size)
+    kv_lens = (sk - lead).to(torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * q_len
+    return pool, tables, cu, kv_lens
+
+
+# ---------------------------------------------------------------------------------------
+# short histories: every block selected
+# ---------------------------------------------------------------------------------------
+def every_block_selected(slots: int, topk: int, block_size: int) -> bool:
+    """Whether a history of at most ``slots`` tokens per sequence (a host-side bound) has
+    no more blocks than the top-k keeps: every query then selects every block it can see,
+    so the sparse layer is exactly dense causal attention and the scores need not run.
+
+    Never while a CUDA graph is being captured: replays of the step go on past the
+    history length seen at capture, and the sparse kernels are right at every length.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return -(-slots // block_size) <= topk
+
+
+def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch.Tensor:
+    """The selection such a layer makes, ``[B, heads, S, topk]``: blocks ``0 ..`` of the
+    history, ``-1`` past its last block (blocks after a query's own hold no key it sees)."""
+    ids = torch.arange(topk, dtype=torch.int32, device=device)
+    ids = torch.where(ids < -(-slots // block_size), ids, -1)
+    return ids.expand(batch, heads, q_len, topk)
+
+
+# ---------------------------------------------------------------------------------------
+# index branch
+# ---------------------------------------------------------------------------------------
+@_on_input_device
+def indexer_forward(self, hidden_states, position_embeddings, past_key_values, position_ids):
+    """``MiniMaxM3VLIndexer.forward`` while ``m3_sparse`` is active.
+
+    Returns block indices ``[B, index_heads, Sq, topk]`` (``-1`` padded) like the stock
+    indexer, computed by ``m3_sparse.index_topk`` over the paged index-key cache (fp8
+    codes and their scales, per token or one for the pool, when the cache was built with
+    ``index_key_dtype=torch.float8_e4m3fn``).
+    """
+    if not is_active(self.config):
+        return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
+    batch, q_len, _ = hidden_states.shape
+    idx_q = self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
+    idx_q = self.q_norm(idx_q).transpose(1, 2)  # [B, Hi, S, Di]
+    idx_k = self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)
+    idx_k = self.k_norm(idx_k).transpose(1, 2)  # [B, 1, S, Di]
+    cos, sin = position_embeddings
+    idx_q, idx_k = m3.apply_rotary_pos_emb(idx_q, idx_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
+    heads = idx_q.shape[1]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
+
+    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
+    fp8_args = {}
+    if layer is not None:
+        pool = layer.update_index(idx_k)
+        if every_block_selected(layer.slots_used, self.topk_blocks, self.block_size):
+            return _first_blocks(batch, heads, q_len, self.topk_blocks, layer.slots_used, self.block_size, idx_q.device)
+        tables, kv_lens = layer.block_tables, layer.step_kv_lens
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=idx_q.device) * q_len
+        if layer.index_scales is not None:
+            # Only fp8 caches pass these, so a kernel build that predates them still
+            # serves every other cache.
+            fp8_args = {"index_k_scale": layer.index_scales, "fp8_dot": past_key_values.index_fp8_dot}
+    else:
+        history = idx_k
+        if past_key_values is not None:
+            history = past_key_values.layers[self.layer_idx].update_index(idx_k)  # stock contiguous layer
+        if every_block_selected(history.shape[2], self.topk_blocks, self.block_size):
+            return _first_blocks(batch, heads, q_len, self.topk_blocks, history.shape[2], self.block_size, idx_q.device)
+        _check_no_holes(step_mask(), q_len)
+        pool, tables, cu, kv_lens = _contiguous_pages(history, q_len, EPHEMERAL_PAGE_SIZE, step_mask())
+        pool = pool[:, 0]  # one shared index-key head
+    selected = api.index_topk(
+        idx_q.transpose(1, 2).reshape(batch * q_len, heads, self.head_dim),
+        pool,
+        tables,
+        cu_seqlens_q=cu,
+        used_kv_lens=kv_lens,
+        topk=self.topk_blocks,
+        block_size=self.block_size,
+        local_blocks=self.local_blocks,
+        max_seqlen_q=q_len,
+        **fp8_args,
+    )
+    return selected.view(batch, q_len, heads, self.topk_blocks).permute(0, 2, 1, 3)
+
+
+indexer_forward.m3_sparse_original = _ORIGINAL_INDEXER_FORWARD
+
+
+# ---------------------------------------------------------------------------------------
+# attention interface
+# ---------------------------------------------------------------------------------------
+@_on_input_device
+def m3_sparse_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    block_indices: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention interface of ``m3_sparse``: query [B, Hq, S, D] -> (out [B, S, Hq, D], None).
+
+    ``key``/``value`` are either the page pools returned by :class:`M3PagedCache` or
+    contiguous ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
+    """
+    if dropout and module.training:
+        raise ValueError("m3_sparse: attention dropout is not supported (inference kernels)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"m3_sparse: expected a 2-D padding mask from the m3_sparse mask function, got shape "
+            f"{tuple(attention_mask.shape)}"
+        )
+    batch, hq, q_len, d = query.shape
+    causal = getattr(module, "is_causal", True)
+    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)
+
+    layer: M3PagedLayer | None = paged_layer_of(key)
+    if layer is not None:
+        if value is not layer.values:
+            raise ValueError("m3_sparse: key and value come from different cache layers")
+        k_pool, v_pool, tables, kv_lens = key, value, layer.block_tables, layer.step_kv_lens
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
+    else:
+        if not causal and attention_mask is not None:
+            raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
+        if causal:
+            if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+                raise ValueError(
+                    f"m3_sparse: the key history holds {key.shape[2]} slots but the padding mask covers "
+                    f"{attention_mask.shape[-1]} tokens (a static cache?). Use m3_hf_attention.M3PagedCache, the "
+                    "paged static cache m3_sparse reads directly."
+                )
+            _check_no_holes(attention_mask, q_len)
+        k_pool, tables, cu, kv_lens = _contiguous_pages(key, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
+        v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
+
+    history = layer.slots_used if layer is not None else key.shape[2]
+    fp8 = layer.kv_scale_args() if layer is not None else {}
+    # Passed only when set, like the scales, so a kernel build that predates it serves the rest.
+    partial_dtype = layer.cache.partial_dtype if layer is not None else None
+    partials = {"partial_dtype": partial_dtype} if partial_dtype is not None else {}
+    if block_indices is not None and not every_block_selected(
+        history, block_indices.shape[-1], module.config.index_block_size
+    ):
+        bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
+        out, _ = api.sparse_attention(
+            q,
+            k_pool,
+            v_pool,
+            bi,
+            tables,
+            cu_seqlens_q=cu,
+            used_kv_lens=kv_lens,
+            max_seqlen_q=q_len,
+            softmax_scale=scaling,
+            causal=causal,
+            block_size=module.config.index_block_size,
+            **fp8,
+            **partials,
+        )
+    else:
+        out, _ = api.dense_paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            tables,
+            cu_seqlens_q=cu,
+            used_kv_lens=kv_lens,
+            softmax_scale=scaling,
+            causal=causal,
+            **fp8,
+        )
+    return out.view(batch, q_len, hq, d), None
+
+
+# Marks the function for uses_m3_sparse(): transformers registers a hub kernel's attention
+# function under the hub string ("org/m3-sparse:m3_sparse_attention").
+m3_sparse_attention.is_m3_sparse_attention = True
+
+
+# ---------------------------------------------------------------------------------------
+# generate(): a paged cache by default
+# ---------------------------------------------------------------------------------------
+def _prepare_cache_for_generation(original):
+    def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        if (
+            is_active(self.config.get_text_config(decoder=True))
+            and model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "static")
+        ):
+            rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
+            length = max(max_cache_length, generation_config.max_cache_len or 0)
+            # Layers spread over devices (device_map, offloading): each allocates its pages on
+            # the device its K/V arrive on.
+            spread = len({p.device for p in self.parameters()}) > 1
+            model_kwargs["past_key_values"] = M3PagedCache(
+                self.config, rows, length, device=None if spread else self.device, dtype=self.dtype
+            )
+            return None
+        return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+    prepare.__wrapped__ = original
+    return prepare
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``attn_implementation="m3_sparse"`` (attention and mask functions) with transformers
+    and route the M3 indexer through the paged ``index_topk`` while it is active. Idempotent."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    AttentionInterface.register(ATTN_IMPLEMENTATION, m3_sparse_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, m3_sparse_mask)
+    m3.MiniMaxM3VLIndexer.forward = indexer_forward
+    m3.create_causal_mask = create_causal_mask
+    for cls in (m3.MiniMaxM3VLForCausalLM, m3.MiniMaxM3SparseForConditionalGeneration):
+        cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
+    tp.register()
+    _REGISTERED = True
+
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "M3PagedCache",
+    "indexer_forward",
+    "m3_sparse_attention",
+    "m3_sparse_mask",
+    "register",
+    "ALL_ATTENTION_FUNCTIONS",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+]

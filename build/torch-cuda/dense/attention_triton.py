@@ -1,0 +1,354 @@
+"""Triton dense attention over the paged K/V cache (FlashAttention-style forward).
+
+Same contract as :func:`attention.dense_paged_attention_torch` (that torch
+version is the oracle): ``out [Tq, Hq, D]`` in q's dtype, ``lse [Hq, Tq]`` fp32 or
+None; a row that sees no key (negative position, or an empty cache) gives zeros and
+an lse of -inf.
+
+One program per (query tile of one sequence, kv head):
+
+* GQA head packing: row ``i * GP + h`` of the tile is head ``g * G + h`` of the
+  tile's i-th token (GP = G rounded up to a power of two), so the G query heads
+  sharing kv head ``g`` read each K/V tile once;
+* keys stream in tiles of BLOCK_N through the block table, one table entry per key,
+  so BLOCK_N may be smaller than a page (several tiles per page) or larger (one tile
+  spans several pages) without a special case. Where a key tile lies inside one page
+  (``page_size % BLOCK_N == 0``, contiguous caches, D a power of two; sm_90 and newer),
+  it is instead one TMA box of the caches seen as ``[pages * Hkv * page_size, D]``: the
+  copy engine moves the whole tile on one table read, which took M3's prefill at 128K
+  from 1.28x to 1.07x of cuDNN's time on the H200 (docs/PERF.md, "Dense paged
+  attention"). A box also brings in a page's slots past the sequence end, which may
+  hold anything: masked scores drop their keys and their V rows are zeroed;
+* online softmax in base 2, fp32 accumulation; only key tiles past the tile's
+  smallest visible limit pay for the per-row mask.
+
+The grid is sized from host-known shapes: sequence ``b``'s tiles are numbered from
+``cu_seqlens_q[b] // TM + b``, which never overlaps the next sequence's numbering,
+so ``Tq // TM + B`` programs cover every tile; a program finds its sequence by a
+binary search over ``cu_seqlens_q`` on the device and leaves if its tile holds no
+row. Nothing is read back to the host.
+
+Decode batches have few tiles (one token each), too few programs to keep every SM
+reading keys: the keys are then split over a third grid axis. Split ``s`` of ``S`` takes
+an equal contiguous share of the tile's key tiles (counted on the device from its
+limit), writes its raw (m, l, o) to an fp32 workspace in the layout of the decode
+kernel's splits, and ``core.split_merge.merge_splits`` merges them by their max.
+``S`` comes from shapes only (``default_num_splits``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.args import AttnArgs
+from ..core.launch import contiguous, device_capability, device_index, interpreting, next_pow2, tl_dtype
+from ..core.online_softmax import online_softmax_step
+from ..core.split_merge import merge_splits
+from ..core.validate import attention_args
+from .plan import DEFAULT_CONFIG, DenseConfig, plan, shape_reason
+
+try:  # host-side tensor descriptors (the TMA path); older Triton releases keep gathered loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+
+
+
+@triton.jit
+def _attend_key_tile(
+    acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+    BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    WIDEN_K: tl.constexpr, PV_DT: tl.constexpr, k_desc, v_desc, kv_head, HKV: tl.constexpr, TMA: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BN)."""
+    k_pos = start_n + offs_n
+    if TMA:
+        # The tile lies in one page (PS % BN == 0) and start_n < hi, so its table entry is real.
+        page = tl.load(bt_row_ptr + start_n // PS)
+        # Tables and lengths may be int64 tensors; TMA coordinates are 32-bit, and the
+        # launcher checked that every cache row has an int32 index.
+        row = ((page * HKV + kv_head) * PS + start_n % PS).to(tl.int32)
+        b_k = k_desc.load([row, 0])  # [BN, BD]
+        b_v = v_desc.load([row, 0])  # [BN, BD]
+        if MASK:
+            # Slots at or past `hi` in the tile's page may hold anything (NaN too): 0 * NaN.
+            b_v = tl.where((k_pos < hi)[:, None], b_v, 0.0)
+    else:
+        if MASK:
+            # Keys at or past `hi` may sit behind table entries that hold garbage.
+            k_ok = k_pos < hi
+            page = tl.load(bt_row_ptr + k_pos // PS, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        else:
+            page = tl.load(bt_row_ptr + k_pos // PS).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        slot = (k_pos % PS).to(tl.int64)
+        p_k = k_ptr + (page * stride_kp + kv_head_off_k + slot * stride_ks)[:, None] + offs_d[None, :]
+        p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
+        b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BN, BD]
+        b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
+    if UPCAST:
+        b_k = b_k.to(tl.float32)
+    elif WIDEN_K:
+        b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BN], log2 units
+    if MASK:
+        b_s = tl.where(k_pos[None, :] < lim[:, None], b_s, float("-inf"))
+    return online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, UPCAST, PV_DT)
+
+
+@triton.jit
+def _dense_paged_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cu_ptr,
+    kvlen_ptr,
+    o_ptr,
+    lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ks,
+    stride_vp,
+    stride_vh,
+    stride_vs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    l_ptr,
+    num_tokens,
+    num_seqs,
+    qk_scale,
+    scale_ptr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    TM: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    PS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FINAL: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    WIDEN_K: tl.constexpr,
+    PV_DT: tl.constexpr,
+    k_desc,
+    v_desc,
+    HKV: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    BM: tl.constexpr = TM * GP
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    # fp8 inputs: the q and k scales fold into the softmax scale, v's into the output.
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr + 1)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)
+
+    # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
+    lo = pid * 0
+    hi_b = lo + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi_b) // 2
+        first_tile = tl.load(cu_ptr + mid) // TM + mid
+        right = first_tile <= pid
+        lo = tl.where(right, mid, lo)
+        hi_b = tl.where(right, hi_b, mid)
+    seq = lo
+    q_beg = tl.load(cu_ptr + seq)
+    q_end = tl.load(cu_ptr + seq + 1)
+    q_start = q_beg + (pid - (q_beg // TM + seq)) * TM
+    # The grid is an upper bound: tile numbers past a sequence's rows own nothing.
+    if q_start >= q_end:
+        return
+
+    kv_len = tl.load(kvlen_ptr + seq)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    d_ok = offs_d < D
+    tok = q_start + offs_m // GP
+    r_head = offs_m % GP
+    row_ok = (tok < q_end) & (r_head < G)
+    head = g * G + r_head
+    # Queries are the last tokens of their sequence: position = kv_len - q_end + token.
+    pos = kv_len - q_end + tok
+    if CAUSAL:
+        lim = pos + 1
+    else:
+        lim = tl.zeros_like(pos) + kv_len
+    # Keys [0, lim) are visible; rows before the first key and padding rows see none.
+    lim = tl.where(row_ok & (pos >= 0), lim, 0)
+    hi = tl.max(lim, 0)
+    lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+    # Keys below every row's limit need no mask (and are all < kv_len: real pages).
+    n_full = (lim_min // BN) * BN
+    # This split's share of the key tiles [0, cdiv(hi, BN)).
+    per_split = ((hi + BN - 1) // BN + num_splits - 1) // num_splits
+    k_lo = split * per_split * BN
+    k_hi = tl.minimum(k_lo + per_split * BN, hi)
+
+    p_q = q_ptr + (tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
+    b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off_k = g.to(tl.int64) * stride_kh
+    kv_head_off_v = g.to(tl.int64) * stride_vh
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for start_n in range(k_lo, tl.minimum(n_full, k_hi), BN):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+            BN, PS, False, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+        )
+    for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+            BN, PS, True, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+        )
+
+    if KV_FP8:
+        acc = acc * tl.load(scale_ptr + 2)
+    if FINAL:
+        empty = l_i == 0.0
+        b_o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, BD]
+        b_o = tl.where(empty[:, None], 0.0, b_o)
+        p_o = o_ptr + (tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if RETURN_LSE:
+            b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            tl.store(lse_ptr + head.to(tl.int64) * num_tokens + tok, b_lse, mask=row_ok)
+    else:
+        # Workspace rows ((token * Hkv + g) * S + split) * G + r, as the decode kernel's splits;
+        # m stays in log2 units. A split past the keys stores m = -inf, l = 0.
+        ws_row = ((tok.to(tl.int64) * tl.num_programs(1) + g) * num_splits + split) * G + r_head  # [BM]
+        tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(l_ptr + ws_row, l_i, mask=row_ok)
+
+
+def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int) -> str | None:
+    """Why the key tiles cannot be TMA boxes of the caches seen as ``[rows, D]``
+    (None: they can). A box must lie in one page, cover the whole head dim and start on
+    a 16-byte aligned, int32-addressable row; the copy engine exists from sm_90 on."""
+    pages, hkv, page_size, d = k_cache.shape
+    if TensorDescriptor is None:
+        return f"this Triton ({triton.__version__}) has no host-side tensor descriptors"
+    if k_cache.device.type == "cuda" and not interpreting():
+        major = device_capability(device_index(k_cache.device))[0]
+        if major < 9:
+            return f"TMA needs compute capability 9.0 or newer, this device has {major}.x"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "k_cache and v_cache must be contiguous"
+    if page_size % bn:
+        return f"page_size ({page_size}) must be a multiple of block_n ({bn})"
+    if bd != d or bn > 256 or d > 256:
+        return f"head dim ({d}) must be a power of two and, like block_n ({bn}), at most 256"
+    if (d * k_cache.element_size()) % 16 or any(t.data_ptr() % 16 for t in (k_cache, v_cache)):
+        return "cache rows must start on 16-byte boundaries"
+    if pages * hkv * page_size == 0:
+        return "an empty page pool"
+    if pages * hkv * page_size >= 2**31:
+        return f"the caches hold {pages * hkv * page_size} rows; TMA coordinates are int32"
+    return None
+
+
+def dense_paged_attention_triton(
+    q, k_cache, v_cache, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale=None, causal=True,
+    return_lse=False, max_seqlen_q=None, config: DenseConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dense_paged_attention`` on the Triton kernel whatever the device (the interpreter on
+    the CPU), float inputs, with the launch choices of ``config`` (kernel tests)."""
+    args = attention_args(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, sparse=False, allow_fp8=False,
+        max_seqlen_q=max_seqlen_q,
+    )
+    return run_dense_triton(args, config or DEFAULT_CONFIG)
+
+
+def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dense kernel (and the split merge) on a checked call. Returns (out [Tq, Hq, D] in
+    ``args.out_dtype``, lse [Hq, Tq] fp32 or None). ``args.max_seqlen_q`` (an upper bound is
+    enough) only shrinks the query tile for decode-like batches; launch choices never change
+    results beyond rounding."""
+    cfg = cfg or DEFAULT_CONFIG
+    why = shape_reason(args)
+    if why is not None:
+        raise ValueError(why)
+    q, k_cache, v_cache, scales = args.q, args.k_cache, args.v_cache, args.scales
+    block_tables, cu_seqlens_q, used_kv_lens = contiguous(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
+    softmax_scale, causal, return_lse, out_dtype = args.softmax_scale, args.causal, args.return_lse, args.out_dtype
+    num_tokens, hq, d = q.shape
+    hkv, page_size, group = args.hkv, args.page_size, args.group
+    device = q.device
+    q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
+    out = torch.empty(q.shape, dtype=out_dtype, device=device)
+    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    batch = args.batch
+    if num_tokens == 0 or batch <= 0:
+        return out, lse
+    p = plan(args, cfg)
+    gp, tm, bn, bd, num_splits, num_warps, num_stages = p.gp, p.tm, p.bn, p.bd, p.num_splits, p.num_warps, p.num_stages
+    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
+    # rounded operands give the GPU kernel's result.
+    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
+    final = num_splits == 1
+    if final:
+        o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+    else:
+        ws_rows = num_tokens * hkv * num_splits * group
+        o_buf = torch.empty(ws_rows, d, dtype=torch.float32, device=device)
+        m_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
+        l_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
+    why_not = _tma_unusable(k_cache, v_cache, bn, bd)
+    use_tma = cfg.use_tma
+    if use_tma and why_not:
+        raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
+    tma = why_not is None and use_tma is not False
+    if tma:
+        k_desc = TensorDescriptor.from_tensor(k_cache.view(-1, d), [bn, bd])
+        v_desc = TensorDescriptor.from_tensor(v_cache.view(-1, d), [bn, bd])
+    else:
+        k_desc = v_desc = k_cache
+    grid = (num_tokens // tm + batch, hkv, num_splits)
+    _dense_paged_attn_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, o_buf, m_buf,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        l_buf, num_tokens, batch,
+        float(softmax_scale) * LOG2E,
+        scales if scales is not None else l_buf,
+        G=group, GP=gp, TM=tm, D=d, BD=bd, BN=bn, PS=page_size,
+        CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SEARCH_STEPS=max(0, batch - 1).bit_length(),
+        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
+        UPCAST=upcast, FINAL=final, Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PV_DT=tl_dtype(out_dtype), k_desc=k_desc, v_desc=v_desc, HKV=hkv, TMA=tma,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not final:
+        merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
+    return out, lse

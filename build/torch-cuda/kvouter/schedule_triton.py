@@ -1,0 +1,113 @@
+"""Triton KV-outer scheduler: emit the tiles of every segment and the programs' tile ranges.
+
+Same contract and the same arrays, bit for bit, as :func:`schedule.schedule` (the oracle).
+The tile counts per segment and their prefix are a cumsum; one launch then writes every
+tile: one program per segment writes that segment's tiles (so a block chosen by all
+queries is just a longer run), trailing programs blank the unused tail, and program 0
+writes ``num_tiles`` and the balanced split ``program_tiles[p] = p * num_tiles // P``.
+Nothing is read back: the tail's extent is device data, handled by masks over the
+host-sized ``max_tiles``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+import torch
+
+from ..core.launch import next_pow2
+from ..core.validate import check_positive_int
+from .build import KVOuterIndex
+from .schedule import Schedule, max_tiles_for
+
+EMIT_TILES = 128  # tiles written per step of a segment's loop / per tail program
+
+
+@triton.jit
+def _emit_tiles_kernel(
+    seg_off_ptr,
+    tile_base_ptr,
+    tile_seg_ptr,
+    tile_start_ptr,
+    tile_end_ptr,
+    num_tiles_ptr,
+    prog_ptr,
+    num_segments,
+    max_tiles,
+    tile_q,
+    num_programs,
+    BT: tl.constexpr,
+    BP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_tiles = tl.load(tile_base_ptr + num_segments)
+    offs = tl.arange(0, BT)
+    if pid < num_segments:
+        lo = tl.load(seg_off_ptr + pid)
+        hi = tl.load(seg_off_ptr + pid + 1)
+        base = tl.load(tile_base_ptr + pid)
+        n = tl.load(tile_base_ptr + pid + 1) - base
+        for j0 in range(0, n, BT):
+            j = j0 + offs  # [BT]
+            ok = j < n
+            start = lo + j * tile_q
+            tl.store(tile_seg_ptr + base + j, tl.full([BT], 0, tl.int32) + pid, mask=ok)
+            tl.store(tile_start_ptr + base + j, start, mask=ok)
+            tl.store(tile_end_ptr + base + j, tl.minimum(start + tile_q, hi), mask=ok)
+    else:
+        t = (pid - num_segments) * BT + offs  # [BT]
+        ok = (t >= num_tiles) & (t < max_tiles)
+        tl.store(tile_seg_ptr + t, tl.full([BT], -1, tl.int32), mask=ok)
+        tl.store(tile_start_ptr + t, tl.zeros([BT], tl.int32), mask=ok)
+        tl.store(tile_end_ptr + t, tl.zeros([BT], tl.int32), mask=ok)
+    if pid == 0:
+        p = tl.arange(0, BP)
+        split = (p.to(tl.int64) * num_tiles) // num_programs
+        tl.store(prog_ptr + p, split.to(tl.int32), mask=p <= num_programs)
+        tl.store(num_tiles_ptr, num_tiles.to(tl.int32))
+
+
+def schedule_triton(index: KVOuterIndex, *, tile_q: int, num_programs: int) -> Schedule:
+    """:func:`schedule.schedule` with the tiles written by one Triton launch; same arrays."""
+    if not isinstance(index, KVOuterIndex):
+        raise TypeError(f"index: expected a KVOuterIndex from build_kvouter_index, got {type(index).__name__}")
+    check_positive_int("tile_q", tile_q)
+    check_positive_int("num_programs", num_programs)
+    device = index.seg_offsets.device
+    max_tiles = max(1, max_tiles_for(index.capacity, index.num_segments, tile_q))
+    offs = index.seg_offsets
+    # Tiles per segment, then their prefix (tile_base[s] = first tile of segment s).
+    tile_base = torch.zeros(index.num_segments + 1, dtype=torch.int32, device=device)
+    tiles = torch.div(offs[1:] - offs[:-1] + (tile_q - 1), tile_q, rounding_mode="floor")
+    torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_base[1:])
+    tile_arrays = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=device)
+    program_tiles = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
+    grid = (index.num_segments + triton.cdiv(max_tiles, EMIT_TILES),)
+    _emit_tiles_kernel[grid](
+        offs,
+        tile_base,
+        tile_arrays[0],
+        tile_arrays[1],
+        tile_arrays[2],
+        num_tiles,
+        program_tiles,
+        index.num_segments,
+        max_tiles,
+        tile_q,
+        num_programs,
+        BT=EMIT_TILES,
+        BP=next_pow2(num_programs + 1),
+        num_warps=4,
+    )
+    return Schedule(
+        tile_segment=tile_arrays[0],
+        tile_start=tile_arrays[1],
+        tile_end=tile_arrays[2],
+        num_tiles=num_tiles,
+        program_tiles=program_tiles,
+        tile_q=tile_q,
+    )
+
+
+__all__ = ["schedule_triton"]

@@ -1,0 +1,352 @@
+"""The public ops of ``m3_sparse``: check the arguments once, plan, dispatch.
+
+Each op builds its argument object (``core.validate``: shapes, dtypes, devices, and on the
+CPU or with ``M3_SPARSE_DEBUG=1`` the values of ids, lengths and page tables), asks
+``dispatch`` which implementation runs, and hands the object to it. Nothing here copies
+device data to the host.
+
+Layouts: queries are token-major ``[Tq, H, D]``; K/V caches are page pools
+``[pages, Hkv, page_size, D]`` with ``block_tables [B, max_pages]``; ``cu_seqlens_q [B + 1]``
+and ``used_kv_lens [B]`` (tokens cached per sequence, the new queries included: they are
+the last ones, right aligned) describe the varlen batch (``core.layout``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .core.args import AttnArgs, IndexArgs
+from .core.launch import fp8_flags
+from .core.layout import chunk_varlen, token_positions
+from .core.validate import attention_args, check_partial_dtype, check_positive_int, index_args
+from .decode.attention import sparse_decode_attention_torch
+from .decode.plan import DecodeConfig
+from .dense.attention import dense_paged_attention_torch
+from .dense.plan import DenseConfig
+from .index.plan import IndexConfig
+from .index.topk import index_topk_torch
+from .kvouter.build import build_kvouter_index
+from .kvouter.combine import combine_torch, merge_scale
+from .kvouter.partials import partials_torch, validate_partials
+from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
+
+# The GPU launchers (``*_triton``, ``*_gluon_sm90``) import Triton, which a CPU install need not
+# have: each GPU path below imports its launchers when it first runs.
+
+
+def _checked(call: dict, sparse: bool = True) -> AttnArgs:
+    """The argument object of an attention op, from the op's own arguments (its ``locals()``
+    on entry: the public names are ``attention_args``'s names)."""
+    call = {k: v for k, v in call.items() if k not in ("config", "max_workspace_bytes")}
+    return attention_args(**call, sparse=sparse)
+
+
+# --------------------------------------------------------------------------- index branch
+def index_topk(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    topk: int,
+    block_size: int = 128,
+    local_blocks: int = 1,
+    max_seqlen_q: int | None = None,
+    index_k_scale: torch.Tensor | None = None,
+    fp8_dot: bool = False,
+    config: IndexConfig | None = None,
+) -> torch.Tensor:
+    """Select ``topk`` key blocks per (query token, index head).
+
+    index_q: [Tq, Hi, Di] token-major index queries (already normed and rotated);
+    index_k_cache: [pages, page_size, Di] the single shared index-key head, paged
+    (bf16/fp16/fp32, or float8_e4m3fn codes with ``index_k_scale``).
+    Returns ``selected`` [Tq, Hi, topk] int32, ``-1`` in unused slots: the ``local_blocks``
+    blocks ending at the query's own block, then the best earlier blocks by max-pooled
+    score (ties to the lower id). ``max_seqlen_q`` (host int, optional) only tunes the
+    GPU kernel's tiling.
+
+    index_k_scale: fp32, required with an fp8 ``index_k_cache`` and rejected otherwise:
+    per token, ``[pages, page_size]``, or per tensor, one element (every key times the same
+    positive finite scale; the GPU kernel then skips the per-score multiply: faster, same
+    ranking). fp8_dot: fp8 caches only, read by the kernels alone: the query rows are
+    quantized to e4m3 as well so the scores run on the fp8 tensor cores (faster prefill,
+    noisier ranking); the torch path always scores the exact query against the
+    dequantized keys. ``config``: launch choices (``IndexConfig``).
+    """
+    args = index_args(
+        index_q, index_k_cache, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens, topk=topk,
+        block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
+        fp8_dot=fp8_dot,
+    )
+    cfg = config or IndexConfig()
+    if not dispatch.use_triton(args.index_q, dispatch.index_unsupported(args), cfg.impl):
+        return index_topk_torch(args)
+    return _index_topk_gpu(args, cfg)
+
+
+def _index_topk_gpu(args: IndexArgs, cfg: IndexConfig) -> torch.Tensor:
+    from .index import plan as index_plan
+    from .index import topk_gluon_sm90, topk_triton
+
+    plan = index_plan.plan(args, cfg)
+    if args.index_q.shape[0] and args.used_kv_lens.shape[0] and dispatch.index_engine(args, cfg, plan) == "tma":
+        return topk_gluon_sm90.index_topk_tma(args)
+    return topk_triton.launch(args, plan, cfg)
+
+
+# --------------------------------------------------------------------------- KV-outer
+def kvouter_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+    max_workspace_bytes: int | None = None,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
+    config: KVOuterConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention, KV-outer.
+
+    selected: [Tq, Hkv, topk] block ids of ``block_size`` keys (``-1`` = empty slot; a
+    repeated id counts once). Returns (out [Tq, Hq, D], lse [Hq, Tq] fp32 or None); a query
+    with no visible key outputs zeros and lse = -inf.
+
+    CUDA tensors run the Triton stages (index builder, scheduler, partials, combine), others
+    the torch stages. The partial buffer is bounded by ``max_workspace_bytes`` (default
+    ``dispatch.DEFAULT_WORKSPACE_BYTES``, 4 GiB): more query rows than fit run in slices of
+    rows, so memory stays linear in the prompt with a fixed constant.
+
+    fp8: the caches may be float8_e4m3fn (both), q float8_e4m3fn or any float dtype, each
+    fp8 tensor with a per-tensor dequantization scale ``q_scale`` / ``k_scale`` /
+    ``v_scale`` (``real = stored * scale``; a float or a one-element tensor on the device;
+    default 1). Q @ K^T runs on the fp8 values, P @ V in ``out_dtype`` (default bfloat16 for
+    an fp8 q, else q's dtype), which is also the dtype of the output.
+
+    ``partial_dtype``: the dtype of the partials between the attention and combine stages,
+    ``out_dtype`` by default. With fp8 caches, ``torch.float8_e4m3fn`` stores them normalized
+    (O / l in V's units) in half the bytes: the largest traffic of the op, at a larger
+    error (docs/PERF.md, "e4m3 partials"). ``config``: launch choices (``KVOuterConfig``).
+    """
+    args = _checked(locals())
+    cfg = config or KVOuterConfig()
+    budget = max_workspace_bytes if max_workspace_bytes is not None else cfg.workspace_bytes
+    if budget is not None:
+        check_positive_int("max_workspace_bytes", budget)
+    return _kvouter(args, cfg, budget)
+
+
+def _kvouter(args: AttnArgs, cfg: KVOuterConfig, budget: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    run = _kvouter_triton if dispatch.use_triton(args.q, dispatch.kvouter_unsupported(args), cfg.impl) else _kvouter_torch
+    rows = dispatch.kvouter_slices(args, budget)
+    if rows >= args.num_tokens:
+        return run(args, cfg)
+    # Partials grow with the query rows (Tq * Hkv * topk * G * (2D + 8) bytes, 35 GB (33 GiB)
+    # for 128K tokens of M3): run the query rows in slices that fit the workspace budget.
+    out = torch.empty(args.num_tokens, args.hq, args.d, dtype=args.out_dtype, device=args.q.device)
+    lse = torch.empty(args.hq, args.num_tokens, dtype=torch.float32, device=args.q.device) if args.return_lse else None
+    if not args.causal:
+        # A bidirectional row sees its whole sequence, so a slice keeps every kv length;
+        # the rows placed before the first key (which see nothing) are emptied instead.
+        _, positions = token_positions(args.cu_seqlens_q, args.used_kv_lens, args.num_tokens)
+    for t0 in range(0, args.num_tokens, rows):
+        t1 = min(args.num_tokens, t0 + rows)
+        cu_c, kv_c = chunk_varlen(args.cu_seqlens_q, args.used_kv_lens, t0, t1)
+        sel_c = args.selected[t0:t1]
+        if not args.causal:
+            kv_c = args.used_kv_lens
+            sel_c = sel_c.masked_fill((positions[t0:t1] < 0)[:, None, None], -1)
+        run(args.rows(t0, t1, cu_c, kv_c, sel_c), cfg, out[t0:t1], lse[:, t0:t1] if lse is not None else None)
+    return out, lse
+
+
+def _kvouter_torch(args: AttnArgs, cfg: KVOuterConfig, out=None, lse=None):
+    index = build_kvouter_index(
+        args.selected, cu_seqlens_q=args.cu_seqlens_q, max_blocks=args.max_blocks, batch_size=args.batch
+    )
+    # The torch stage computes every entry directly; a GPU kernel runs them as the schedule's tiles.
+    po, pm, pl = partials_torch(args, index)
+    return combine_torch(po, pm, pl, index.slot_of, args.out_dtype, args.return_lse, merge_scale(po, args.scales), out, lse)
+
+
+def _kvouter_triton(args: AttnArgs, cfg: KVOuterConfig, out=None, lse=None):
+    from .kvouter.build_triton import build_kvouter_index_triton
+    from .kvouter.combine_triton import combine_triton
+    from .kvouter.schedule_triton import schedule_triton
+
+    index = build_kvouter_index_triton(
+        args.selected, cu_seqlens_q=args.cu_seqlens_q, max_blocks=args.max_blocks, batch_size=args.batch
+    )
+    sched = schedule_triton(
+        index, tile_q=default_tile_q(args.group, cfg), num_programs=default_num_programs(args.q.device, cfg)
+    )
+    po, pm, pl = _partials_gpu(args, index, sched, cfg)
+    return combine_triton(
+        po, pm, pl, index.slot_of, out_dtype=args.out_dtype, return_lse=args.return_lse, out=out, lse=lse,
+        o_scale=merge_scale(po, args.scales),
+    )
+
+
+def _partials_gpu(args: AttnArgs, index, sched, cfg: KVOuterConfig):
+    from .kvouter import partials_gluon_sm90, partials_triton
+
+    if dispatch.partials_engine(args, cfg, sched.tile_q, index.capacity) == "tma":
+        return partials_gluon_sm90.kvouter_partials_tma(args, index, sched)
+    return partials_triton.kvouter_partials_tl(args, index, sched, cfg)
+
+
+def kvouter_partials_gpu(
+    q, k_cache, v_cache, index, sched, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal=True,
+    block_size=128, scales=None, out_dtype=None, partial_dtype=None, config: KVOuterConfig | None = None,
+):
+    """The partials stage on the GPU kernels (the interpreter on the CPU), over a given index
+    and schedule: same arguments and results as ``kvouter_partials``, the kernel chosen by
+    ``config.engine`` (kernel tests and benchmarks)."""
+    batch = validate_partials(
+        q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size
+    )
+    _, _, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
+    args = AttnArgs(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
+        used_kv_lens=used_kv_lens, batch=batch, softmax_scale=float(softmax_scale), causal=bool(causal),
+        return_lse=False, scales=scales, out_dtype=out_dtype, block_size=block_size, max_blocks=index.max_blocks,
+        partial_dtype=check_partial_dtype(partial_dtype, v_cache, out_dtype),
+    )
+    return _partials_gpu(args, index, sched, config or KVOuterConfig())
+
+
+# --------------------------------------------------------------------------- decode
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention, query-outer (decode and short chunks): each query token reads
+    its own selected blocks. Same arguments and results as :func:`kvouter_attention`.
+
+    KV-outer reads a selected block once for all the queries that chose it, which wins when
+    many queries share blocks (prefill); with a few new tokens per sequence there is little
+    to share, and reading each token's blocks directly skips the index build, the schedule
+    and the partial traffic. Nothing is read back to the host on CUDA tensors, so a call can
+    be captured in a CUDA graph. ``config``: launch choices (``DecodeConfig``).
+    """
+    return _decode(_checked(locals()), config or DecodeConfig())
+
+
+def _decode(args: AttnArgs, cfg: DecodeConfig):
+    if dispatch.use_triton(args.q, dispatch.decode_unsupported(args), cfg.impl):
+        from .decode import attention_triton as decode_triton
+
+        return decode_triton.run_decode_triton(args, cfg)
+    return sparse_decode_attention_torch(args)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention with the kernel chosen from host-known shapes: the
+    query-outer decode kernel (:func:`sparse_decode_attention`) while sequences bring at
+    most ``dispatch.decode_max_queries`` query rows each, where few queries share a block,
+    else KV-outer (:func:`kvouter_attention`). Same arguments and results as both.
+
+    ``max_seqlen_q``: an upper bound of the query rows of one sequence (a host int; the
+    number of query tokens ``Tq`` stands in when it is not given). Never read from the
+    device, so the choice costs no sync and a captured graph keeps it. ``partial_dtype``
+    applies where KV-outer runs (the decode kernel merges its splits in registers); both
+    branches check it the same way.
+    """
+    args = _checked(locals())
+    if dispatch.runs_decode(args):
+        return _decode(args, DecodeConfig())
+    return _kvouter(args, KVOuterConfig(), None)
+
+
+# --------------------------------------------------------------------------- dense
+def dense_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    max_seqlen_q: int | None = None,
+    config: DenseConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dense attention over a paged K/V cache (full-attention layers, the vision tower with
+    ``causal=False``), same layouts and fp8 options as :func:`kvouter_attention`.
+    ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's query tile."""
+    args = _checked(locals(), sparse=False)
+    cfg = config or DenseConfig()
+    if dispatch.use_triton(args.q, dispatch.dense_unsupported(args), cfg.impl):
+        from .dense import attention_triton as dense_triton
+
+        return dense_triton.run_dense_triton(args, cfg)
+    return dense_paged_attention_torch(args)
+
+
+__all__ = [
+    "DecodeConfig",
+    "DenseConfig",
+    "IndexConfig",
+    "KVOuterConfig",
+    "dense_paged_attention",
+    "index_topk",
+    "kvouter_attention",
+    "sparse_attention",
+    "sparse_decode_attention",
+]

@@ -1,0 +1,33 @@
+"""The online-softmax step the query-outer kernels share (dense and decode attention).
+
+Scores are in log2 units (``qk_scale`` folds in log2(e)); a row keeps its running max
+``m`` (-inf until it sees a key), its running sum ``l`` of ``2^(s - m)`` and its unnormalized
+output ``acc``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_step(
+    acc, m_i, l_i, b_s, b_v, PREC: tl.constexpr, UPCAST: tl.constexpr, PV_DT: tl.constexpr,
+):
+    """Fold one key tile into the running row state. b_s: [M, N] masked scores (-inf where a
+    key is not visible); b_v: [N, BD] the tile's values. Returns (acc, m, l)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))  # [M]
+    # A row that has seen nothing yet keeps m = -inf; exp2 against 0 keeps it NaN-free.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [M]
+    b_p = tl.exp2(b_s - m_safe[:, None])  # [M, N]
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    # P is rounded to the P @ V dtype (the output's); the interpreter takes the dot in fp32
+    # on the same rounded operands (its bf16 dot is wrong).
+    if UPCAST:
+        b_pv = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [M, BD]
+    else:
+        b_pv = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [M, BD]
+    acc = acc * alpha[:, None] + b_pv
+    return acc, m_new, l_i

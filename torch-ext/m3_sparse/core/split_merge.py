@@ -1,0 +1,101 @@
+"""Merging key splits: one attention row computed by S programs over disjoint key ranges.
+
+Each split leaves its raw fp32 (o, m, l) in a workspace: ``o`` the unnormalized output row,
+``m`` the row max in log2 units, ``l`` the row sum of ``2^(s - m)``. The merge takes
+``M = max m_s``, ``a_s = 2^(m_s - M)``, ``out = sum a_s o_s / sum a_s l_s``,
+``lse = (M + log2 sum a_s l_s) * ln 2``. Used by the sparse decode kernel (when its last
+split does not merge in place) and by the dense kernel's key splits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import MAX_SPLITS, next_pow2  # noqa: F401  (MAX_SPLITS bounds S here)
+
+# Partial values (splits x heads x head dim) one merge program holds: 8 splits of 8 heads at
+# D = 128, loaded all at once (64 registers a thread at 4 warps).
+COMBINE_ELEMS = 8192
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_ws_ptr,
+    m_ws_ptr,
+    l_ws_ptr,
+    out_ptr,
+    lse_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    RB: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    head = tl.program_id(1) * RB + tl.arange(0, RB)
+    offs_d = tl.arange(0, BD)
+    row_ok = head < num_heads
+    d_ok = offs_d < D
+    # Split s of (t, head) is workspace row ((t * Hkv + g) * S + s) * G + r, head = g * G + r.
+    hkv = num_heads // G
+    row0 = ((t.to(tl.int64) * hkv + head // G) * S) * G + head % G  # [RB]
+
+    # Unrolled, so that the loads of all splits are independent and in flight together.
+    b_mx = tl.full([RB], float("-inf"), tl.float32)
+    for s in tl.static_range(S):
+        b_mx = tl.maximum(b_mx, tl.load(m_ws_ptr + row0 + s * G, mask=row_ok, other=float("-inf")))
+    empty = b_mx == float("-inf")
+    m_safe = tl.where(empty, 0.0, b_mx)
+    b_l = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, BD], tl.float32)
+    for s in tl.static_range(S):
+        row = row0 + s * G
+        b_m = tl.load(m_ws_ptr + row, mask=row_ok, other=float("-inf"))
+        b_ls = tl.load(l_ws_ptr + row, mask=row_ok, other=0.0)
+        b_o = tl.load(o_ws_ptr + row[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        # 2^-inf = 0 drops splits that saw no key.
+        b_a = tl.exp2(b_m - m_safe)  # [RB]
+        b_l += b_a * b_ls
+        acc += b_a[:, None] * b_o  # [RB, BD]
+    b_out = acc / tl.where(empty, 1.0, b_l)[:, None]
+    p_out = out_ptr + t.to(tl.int64) * stride_ot + head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        b_lse = tl.where(empty, float("-inf"), (b_mx + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
+        tl.store(lse_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
+
+
+def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> None:
+    """Merge split partials (workspace rows ``((t * Hkv + g) * S + s) * G + r``: raw o
+    [rows, D] fp32, m in log2 units, l) into ``out`` [Tq, Hq, D] and ``lse`` [Hq, Tq] or None.
+    Shared by the decode kernel and the dense kernel's key splits."""
+    num_tokens, hq, d = out.shape
+    bd = max(16, next_pow2(d))
+    # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
+    rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
+    _merge_splits_kernel[(num_tokens, triton.cdiv(hq, rb))](
+        o_ws,
+        m_ws,
+        l_ws,
+        out,
+        lse if lse is not None else out,
+        num_tokens,
+        hq,
+        out.stride(0),
+        out.stride(1),
+        S=num_splits,
+        G=group,
+        RB=rb,
+        D=d,
+        BD=bd,
+        RETURN_LSE=lse is not None,
+        num_warps=4,
+    )
+
+
