@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Run the end-to-end example in the project's venv (same setup as the tests):
+# Run the end-to-end example in the project's venv:
 #
 #   bash scripts/run_example.sh [examples/generate.py args...]
+#
+# Sets up .venv with what the example needs: a CPU torch, then `pip install -e .`
+# (no test extra: no Triton, which the CPU path does not import). The install is
+# skipped while pyproject.toml and the torch spec are unchanged
+# (scripts/setup_venv.sh --if-changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/test.sh --setup-only
+bash scripts/setup_venv.sh --if-changed .
 exec .venv/bin/python examples/generate.py "$@"
