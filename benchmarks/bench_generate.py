@@ -18,7 +18,7 @@ Configurations (``--configs``):
   of generate() and the default dispatch (``M3_SPARSE_IMPL=auto``, set for the cell so
   an inherited value cannot change what the row measures). On CUDA every op runs a
   Triton kernel: the index top-k, the sparse layers' ``sparse_attention`` (the decode
-  kernel while a sequence brings at most interface.decode_max_queries() query rows (96 on
+  kernel while a sequence brings at most dispatch.decode_max_queries() query rows (96 on
   the H200 with M3's shapes), so every decode step; KV-outer
   for the longer prefills) and the full-attention layers' ``dense_paged_attention``
   (also taken by a sparse layer while its history is so short that every block is
@@ -42,10 +42,11 @@ cache allocation), decode is (last stamp - first stamp) / (new tokens - 1) per s
 decode tokens/s counts every row of the batch. Medians over the repetitions. Peak memory is
 ``torch.cuda.max_memory_allocated`` during the measured call (model weights included).
 
-Outputs, in ``$OUT`` (or ``--out``): ``bench_generate.md`` (the table and the setup),
-``bench_generate.json`` (every figure) and ``generate_speedup.png`` (speedup over dense
-against context length; skipped with a message when matplotlib is missing). The
-markdown table is printed last.
+Outputs, in ``--out`` (default ``$OUT``, else ./out): ``bench_generate.md`` (the table and
+the setup), ``bench_generate.json`` (result rows: TTFT and decode step of every cell,
+rewritten after each cell) and ``generate_speedup.png`` (speedup over dense against context
+length; skipped with a message when matplotlib is missing). The markdown table is printed
+last.
 
     python3 benchmarks/bench_generate.py                      # the H200 run
     python3 benchmarks/bench_generate.py --sizes 16k,128k --new-tokens 64 --skip-sdpa
@@ -57,10 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
-import json
-import os
 import platform
 import statistics
 import sys
@@ -69,15 +67,13 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+import common
+from common import GIB, env_var, sync
+from common import tokens_label as fmt_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import m3_hf_attention  # noqa: F401  (registers attn_implementation="m3_sparse")
-except ImportError:  # a checkout that was not pip-installed
-    sys.path.insert(0, str(ROOT))
-    import m3_hf_attention  # noqa: F401
+import torch  # noqa: E402
 
+import m3_hf_attention  # noqa: E402,F401  (registers attn_implementation="m3_sparse")
 import transformers  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig  # noqa: E402
@@ -88,7 +84,6 @@ except ImportError:  # tqdm normally comes with huggingface_hub
     tqdm = None
 
 PAD, BOS, EOS = 0, 1, 2
-GIB = 1024**3
 CONFIGS = {
     "dense": "dense model (every layer full attention, same weights without the indexers), sdpa with cuDNN first, "
     "static cache",
@@ -98,16 +93,17 @@ CONFIGS = {
     "sdpa": "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache",
 }
 
-LOG: list[str] = []
 _BAR = None
 
 
-def log(msg: str = "") -> None:
-    LOG.append(str(msg))
+def _echo(line: str) -> None:
     if _BAR is not None and tqdm is not None:
-        _BAR.write(str(msg))
+        _BAR.write(line)
     else:
-        print(msg, flush=True)
+        print(line, flush=True)
+
+
+log = common.Log(echo=_echo)
 
 
 # ---------------------------------------------------------------------------------------
@@ -127,15 +123,8 @@ class Shape:
         return self.batch * self.context
 
 
-def fmt_tokens(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
-
-
 def parse_count(text: str) -> int:
-    t = text.strip().lower()
-    mult = 1024 if t.endswith("k") else 1
-    t = t[:-1] if t.endswith("k") else t
-    value = int(t) * mult
+    value = common.count(text)
     if value <= 0:
         raise ValueError(f"expected a positive count, got {text!r}")
     return value
@@ -164,10 +153,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="End-to-end generate() speed: m3_sparse vs transformers sdpa vs a dense cuDNN model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        parents=[common.common_args(sizes="", sizes_help="prompt sizes, comma separated: N or BxN, k = 1024 "
+                                    "(default 16k,64k,128k,16x8k; --quick: 256,2x128)")],
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU smoke run (overrides the model shape)")
-    p.add_argument("--sizes", default=None, help="prompt sizes, comma separated: N or BxN, k = 1024 "
-                   "(default 16k,64k,128k,16x8k; --quick: 256,2x128)")
     p.add_argument("--layers", default="sfs", help="layer pattern: s = sparse (MSA) layer, f = full attention")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="generated tokens per measured call (default 32; --quick 4)")
@@ -189,7 +178,6 @@ def parse_args(argv=None):
                    "without it every configuration runs eagerly")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="output directory (default $OUT, else ./out)")
     args = p.parse_args(argv)
     q = args.quick
     try:
@@ -219,7 +207,7 @@ def parse_args(argv=None):
     if args.vocab < 8:
         p.error(f"--vocab: expected >= 8, got {args.vocab}")
     args.device = torch.device(args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda"))
-    args.out = args.out or Path(os.environ.get("OUT") or "out")
+    args.out = Path(args.out)
     return args
 
 
@@ -263,12 +251,7 @@ def build_models(args, dtype):
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         sparse = MiniMaxM3VLForCausalLM(text_config(args, args.layer_types))
-        with torch.no_grad():
-            # RMSNorm gains start at zero (a unit gain); random gains make the index
-            # heads' scores differ, so the selections are not all alike.
-            for name, param in sparse.named_parameters():
-                if "norm" in name:
-                    param.normal_(0.0, 0.5)
+        common.randomize_norms(sparse)
         dense = MiniMaxM3VLForCausalLM(text_config(args, ["full_attention"] * len(args.layer_types)))
     missing, unexpected = dense.load_state_dict(sparse.state_dict(), strict=False)
     if missing or any(".indexer." not in k for k in unexpected):
@@ -298,11 +281,6 @@ class StepClock(BaseStreamer):
 
     def end(self):
         pass
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_prompt(shape: Shape, vocab: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,19 +401,6 @@ def cudnn_probe(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def env_var(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-@contextlib.contextmanager
 def dense_backends(device: torch.device):
     if device.type != "cuda":
         yield
@@ -496,7 +461,7 @@ def attempt(model, shape: Shape, args, extra: dict, ctx, bar_step):
     except Exception as exc:  # noqa: BLE001 - one failing cell must not end the benchmark
         failure = ("OOM" if is_oom(exc) else "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         if failure[0] == "error":
-            LOG.append(traceback.format_exc())
+            log.lines.append(traceback.format_exc())
     # Outside the except block, so the traceback's frames (and their tensors) are gone.
     free_memory(args.device)
     return result, failure
@@ -570,11 +535,7 @@ def _f(x, spec: str) -> str:
 
 
 def table(cells: list[Cell]) -> str:
-    lines = [
-        "| config | context | TTFT ms | decode tok/s | prefill speedup vs dense | decode speedup vs dense "
-        "| peak GiB | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for c in cells:
         if c.status == "ok":
             ttft, tok = _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f")
@@ -583,36 +544,27 @@ def table(cells: list[Cell]) -> str:
         note = c.note if len(c.note) <= 90 else c.note[:87] + "..."
         sp_p = _f(c.prefill_speedup, ".2f") + ("x" if c.prefill_speedup is not None else "")
         sp_d = _f(c.decode_speedup, ".2f") + ("x" if c.decode_speedup is not None else "")
-        peak = _f(c.peak_gib, ".1f")
-        lines.append(f"| {c.config} | {c.label} | {ttft} | {tok} | {sp_p} | {sp_d} | {peak} | {note} |")
-    return "\n".join(lines)
+        rows.append([c.config, c.label, ttft, tok, sp_p, sp_d, _f(c.peak_gib, ".1f"), note])
+    return common.md_table(["config", "context", "TTFT ms", "decode tok/s", "prefill speedup vs dense",
+                            "decode speedup vs dense", "peak GiB", "note"], rows)
 
 
 def environment(args) -> dict:
-    env = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(args.device),
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+    """``common.environment()`` with the Python and transformers versions, and the device
+    the model runs on."""
+    env = dict(common.environment(), python=platform.python_version(), transformers=transformers.__version__,
+               torch_device=str(args.device))
     if args.device.type == "cuda":
         prop = torch.cuda.get_device_properties(args.device)
-        env["gpu"] = prop.name
-        env["sms"] = prop.multi_processor_count
-        env["gpu_memory_gib"] = round(prop.total_memory / GIB, 1)
+        env.update(device=prop.name, sms=prop.multi_processor_count, gpu_memory_gib=round(prop.total_memory / GIB, 1))
+    else:
+        env.update(device="cpu", sms=0)
     return env
 
 
 def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
     kinds = "".join("s" if t == "minimax_m3_sparse" else "f" for t in cfg.layer_types)
-    gpu = f"{env.get('gpu')} ({env.get('sms')} SMs, {env.get('gpu_memory_gib')} GiB)" if "gpu" in env else env["device"]
+    gpu = f"{env['device']} ({env['sms']} SMs, {env['gpu_memory_gib']} GiB)" if "gpu_memory_gib" in env else "cpu"
     return [
         f"- Date {env['date']}; device {gpu}; torch {env['torch']}, triton {env['triton']}, "
         f"transformers {env['transformers']}.",
@@ -645,23 +597,32 @@ def write_outputs(args, cfg, env, cudnn, cells, final: bool) -> str:
     if notes:
         md += ["", "Notes (skips, failures, fallbacks):", "", *notes]
     (args.out / "bench_generate.md").write_text("\n".join(md) + "\n")
-    payload = {
-        "environment": env,
-        "cudnn": cudnn,
-        "final": final,
-        "args": {k: (str(v) if isinstance(v, (Path, torch.device, torch.dtype)) else v)
-                 for k, v in vars(args).items() if k not in ("sizes", "layer_types")},
-        "sizes": [asdict(s) for s in args.sizes],
-        "model": {k: getattr(cfg, k) for k in (
-            "num_hidden_layers", "layer_types", "hidden_size", "dense_intermediate_size", "vocab_size",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "index_n_heads", "index_head_dim",
-            "index_block_size", "index_topk_blocks", "index_local_blocks")},
-        "results": [asdict(c) for c in cells],
-    }
-    (args.out / "bench_generate.json").write_text(json.dumps(payload, indent=1) + "\n")
+    result_rows(args, cfg, env, cudnn, cells).write()
     if final:
-        (args.out / "bench_generate.log").write_text("\n".join(LOG) + "\n")
+        log.write(args.out / "bench_generate.log")
     return tab
+
+
+def result_rows(args, cfg, env, cudnn, cells) -> common.Results:
+    """Two rows per cell, TTFT and the decode step, each against the dense model's."""
+    results = common.Results("bench_generate", args.out)
+    results.env = env
+    base = {(c.batch, c.context): c for c in cells if c.config == "dense" and c.status == "ok"}
+    layers = "".join("s" if t == "minimax_m3_sparse" else "f" for t in cfg.layer_types)
+    for c in cells:
+        ref = base.get((c.batch, c.context)) if c.config != "dense" else None
+        sizes = {"batch": c.batch, "context": c.context, "new_tokens": args.new_tokens, "layers": layers,
+                 "hidden": cfg.hidden_size, "vocab": cfg.vocab_size}
+        common_metrics = dict(config=c.config, status=c.status, note=c.note, peak_gib=c.peak_gib, cudnn=cudnn,
+                              details=c.details)
+        baseline = "dense model (cuDNN-first SDPA, static cache)" if ref else None
+        results.add(f"{c.config} {c.label}", c.ttft_ms, what=f"{c.config}: generate() time to first token",
+                    sizes=sizes, baseline=baseline, baseline_ms=ref.ttft_ms if ref else None,
+                    speedup=c.prefill_speedup, **common_metrics)
+        results.add(f"{c.config} {c.label}", c.decode_ms_per_step, what=f"{c.config}: generate() decode step",
+                    sizes=sizes, baseline=baseline, baseline_ms=ref.decode_ms_per_step if ref else None,
+                    speedup=c.decode_speedup, decode_tok_s=c.decode_tok_s, **common_metrics)
+    return results
 
 
 def plot(args, cells: list[Cell]) -> str:

@@ -7,24 +7,24 @@ says how far a read-only or write-only stream moves from it.
     python3 benchmarks/bench_memory.py --gib 8 --out mem.json
 
 Buffers of ``--gib`` GiB each (two for the copy), far above the 60 MB L2. Times are medians
-of triton.testing.do_bench; TB/s counts the bytes read plus the bytes written. The last
-thing printed is a markdown table.
+of triton.testing.do_bench; TB/s counts the bytes read plus the bytes written. Result rows
+go to ``<out>/bench_memory.json`` (an ``--out`` ending in .json names the file itself);
+the last thing printed is a markdown table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import common
 
-import torch
-from triton.testing import do_bench
+import torch  # noqa: E402
 
 
-def measure(gib: int) -> list[dict]:
+def measure(gib: int, results) -> list[dict]:
     n = gib << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)
+
     # Rows of 1M elements keep the reductions' outputs small, so they are all read traffic.
     def as_rows(t, dtype):
         return t.view(dtype).view(-1, (1 << 20) // dtype.itemsize)
@@ -38,16 +38,18 @@ def measure(gib: int) -> list[dict]:
     ]
     rows = []
     for name, fn, nbytes in cases:
-        ms = do_bench(fn, warmup=3, rep=400, return_mode="median")
+        ms = common.median_ms(fn, warmup=3, rep=400)
         rows.append(dict(case=name, ms=ms, tb_s=nbytes / ms / 1e9, gb=nbytes / 1e9))
+        results.add(name, ms, what="torch stream", sizes={"gib": gib, "bytes_moved": nbytes},
+                    baseline="M3_SPEC copy ceiling (4.2 TB/s)", baseline_ms=nbytes / common.PEAK_BYTES * 1e3,
+                    tb_s=rows[-1]["tb_s"])
         print(f"{name}: {ms:.2f} ms, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=int, default=16, help="size of each buffer in GiB (default 16)")
-    ap.add_argument("--out", default=None, help="also write the rows as JSON to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_memory.py measures a CUDA GPU; none is visible")
@@ -56,15 +58,12 @@ def main() -> None:
     free, _ = torch.cuda.mem_get_info()
     if 2 * (args.gib << 30) > free:
         raise SystemExit(f"--gib {args.gib}: two buffers need {2 * args.gib} GiB, {free / 2**30:.1f} GiB free")
-    rows = measure(args.gib)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+    results = common.Results("bench_memory", args.out)
+    rows = measure(args.gib, results)
+    results.write()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, buffers of {args.gib} GiB\n")
-    print("| stream | GB moved | ms | TB/s |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['case']} | {r['gb']:.1f} | {r['ms']:.2f} | {r['tb_s']:.2f} |")
+    print(common.md_table(["stream", "GB moved", "ms", "TB/s"],
+                          [[r["case"], f"{r['gb']:.1f}", f"{r['ms']:.2f}", f"{r['tb_s']:.2f}"] for r in rows]))
 
 
 if __name__ == "__main__":

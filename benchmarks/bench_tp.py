@@ -21,18 +21,17 @@ a smoke test on the CPU with the gloo backend:
 
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 benchmarks/bench_tp.py --quick
 
-The last thing printed is a markdown table; a JSON of it goes to $OUT (or --out).
+The last thing printed is a markdown table; its rows go to
+``<out>/bench_tp_<model>-seed<seed>-<sizes>_world<N>.json`` (one file per world size, so runs
+of 2 and 4 GPUs into the same --out keep both).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # NVLink multicast stays off (shared hosts), also for NCCL communicators created below.
@@ -40,11 +39,11 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+import common  # noqa: E402
+from common import Clock  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import m3_hf_attention  # noqa: E402,F401  registers m3_sparse and its head-parallel TP plan
 from m3_hf_attention import M3PagedCache  # noqa: E402
@@ -93,37 +92,11 @@ def build_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: torch.
     torch.manual_seed(seed)
     with torch.device(device):
         model = MiniMaxM3VLForCausalLM(text_config(shape)).eval()
-        with torch.no_grad():
-            # RMSNorm gains start at zero (a 1 + w gain): random ones make the index scores and
-            # so the selections differ between queries and heads.
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(0.0, 0.5)
+        common.randomize_norms(model)
     model.to(dtype).save_pretrained(path)
 
 
 # --------------------------------------------------------------------------- timing
-class Clock:
-    """Wall times of code regions on the device's timeline: CUDA events (read once at the
-    end, no sync inside a timed region) or perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
-
-
 class AttentionTimer:
     """Time spent inside the attention modules (index branch, sparse attention, o_proj)."""
 
@@ -153,8 +126,7 @@ class AttentionTimer:
 
 
 def sync(device: torch.device, ranks: bool) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    common.sync(device)
     if ranks:
         dist.barrier()  # all ranks start a timed region together
 
@@ -230,13 +202,9 @@ def workload(model, cfg: dict, device: torch.device, dtype: torch.dtype, reps: i
     }
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
-
-
 # --------------------------------------------------------------------------- main
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny shapes in fp32 (a CPU/gloo smoke test)")
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "m3_bench_tp"),
                     help="the random checkpoint and the 1-GPU result, reused by later runs")
@@ -246,7 +214,6 @@ def main() -> int:
     for name in ("prefill", "decode_batch", "decode_context", "decode_steps"):
         flag = "--" + name.replace("_", "-")
         ap.add_argument(flag, type=int, help=f"default {FULL[name]} ({QUICK[name]} with --quick)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     sizes = ("prefill", "decode_batch", "decode_context", "decode_steps")
@@ -316,32 +283,32 @@ def main() -> int:
     status = 0
     if rank == 0:
         n, b = cfg["prefill"], cfg["decode_batch"]
-        head = (
-            f"| ranks | prefill {n} ms | attn ms | decode b{b} ms/step | attn ms/step | decode tok/s "
-            f"| cache MiB/rank (prefill, decode) | prefill rel err | decode rel err | ok |"
-        )
-        table = [head, "|" + "---|" * (head.count("|") - 1)]
-        summary = []
+        rows = []
+        report = common.Results("bench_tp", args.out, name=f"bench_tp_{ref_tag}_world{world}")
+        sizes = {"prefill": n, "decode_batch": b, "decode_context": cfg["decode_context"],
+                 "decode_steps": cfg["decode_steps"], "dtype": cfg["dtype"], "model": cfg["model"]}
         for tp in sorted(results):
             r = results[tp]
-            e1 = rel_err(r["prefill_rows"], results[1]["prefill_rows"])
-            e2 = rel_err(r["decode_logits"], results[1]["decode_logits"])
+            e1 = common.rel_l2(r["prefill_rows"], results[1]["prefill_rows"])
+            e2 = common.rel_l2(r["decode_logits"], results[1]["decode_logits"])
             ok = e1 <= cfg["tol"] and e2 <= cfg["tol"]
             status |= 0 if ok else 1
-            table.append(
-                f"| {tp} | {r['prefill_ms']:.1f} | {r['prefill_attn_ms']:.1f} | {r['decode_ms']:.2f} "
-                f"| {r['decode_attn_ms']:.2f} | {b / r['decode_ms'] * 1e3:.0f} "
-                f"| {r['prefill_cache_mib']:.1f}, {r['decode_cache_mib']:.1f} | {e1:.2e} | {e2:.2e} "
-                f"| {'yes' if ok else 'NO'} |"
-            )
-            summary.append({k: v for k, v in r.items() if not isinstance(v, torch.Tensor)} | {
-                "gpus": tp, "prefill_rel_err": e1, "decode_rel_err": e2, "ok": ok})  # fmt: skip
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        report = json.dumps({"config": cfg, "rows": summary}, indent=1)
-        (out / f"bench_tp_{ref_tag}_world{world}.json").write_text(report)
+            rows.append([tp, f"{r['prefill_ms']:.1f}", f"{r['prefill_attn_ms']:.1f}", f"{r['decode_ms']:.2f}",
+                         f"{r['decode_attn_ms']:.2f}", f"{b / r['decode_ms'] * 1e3:.0f}",
+                         f"{r['prefill_cache_mib']:.1f}, {r['decode_cache_mib']:.1f}", f"{e1:.2e}", f"{e2:.2e}",
+                         "yes" if ok else "NO"])
+            figures = {k: v for k, v in r.items() if not isinstance(v, torch.Tensor)}
+            figures.update(gpus=tp, prefill_rel_err=e1, decode_rel_err=e2, ok=ok, tol=cfg["tol"])
+            base = None if tp == 1 else results[1]
+            report.add(f"TP {tp}, prefill {n}", r["prefill_ms"], what="model forward (m3_sparse)", sizes=sizes,
+                       baseline="1 GPU" if base else None, baseline_ms=base["prefill_ms"] if base else None, **figures)
+            report.add(f"TP {tp}, decode b{b}", r["decode_ms"], what="decode step (m3_sparse)", sizes=sizes,
+                       baseline="1 GPU" if base else None, baseline_ms=base["decode_ms"] if base else None, **figures)
+        report.write()
         log(f"\nrel err: relative L2 error against 1 GPU (tolerance {cfg['tol']:g}); times: medians, slowest rank")
-        log("\n".join(table))
+        log(common.md_table(["ranks", f"prefill {n} ms", "attn ms", f"decode b{b} ms/step", "attn ms/step",
+                             "decode tok/s", "cache MiB/rank (prefill, decode)", "prefill rel err", "decode rel err",
+                             "ok"], rows))
     if world > 1:
         dist.destroy_process_group()
     return status

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # GPU verification in one go: the whole test suite on the GPU, then the benchmarks named on
 # the command line, each under its own time limit, logs in $OUT (default ./out/gpu_check) and
-# a summary table printed last.
+# a summary table printed last (with the test suite's passed / failed / skipped counts). The
+# exit status is 0 only when every step passed: 1 if a step failed, timed out or is unknown.
 #
 #   bash scripts/gpu_check.sh                         # tests only
 #   bash scripts/gpu_check.sh kvouter dense:"--prefill '' --splits 1,2,4,8,16" long:"--fp8 --sizes 131072"
 #
 # Steps after the tests: NAME or NAME:"extra args", NAME one of kvouter, index, decode, dense,
-# long, generate, sanitize (benchmarks/bench_NAME.py; long = bench_long_prefill.py, sanitize =
-# benchmarks/sanitize.py). Wheels in ./.whl (an offline machine's copy of kernels and
+# long, generate, tp, memory, sanitize, long_run (benchmarks/bench_NAME.py; long =
+# bench_long_prefill.py; sanitize and long_run = benchmarks/reliability/NAME.py). Each step
+# gets --out $OUT/NAME. Wheels in ./.whl (an offline machine's copy of kernels and
 # hypothesis) are installed first when present. Environment: TEST_TIMEOUT (s, default 480),
 # STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default: the CPU count, as most of a GPU test's
 # time is Triton compiling on the host; needs pytest-xdist).
@@ -30,6 +32,20 @@ print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | trans
 EOF
 
 summary=()
+status=0
+pytest_counts() {  # log file -> "N passed, N failed, N skipped" (+ errors) from pytest's last summary line
+    local line
+    line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?)' "$1" | tail -n 1)
+    local passed failed skipped errors
+    passed=$(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+')
+    failed=$(grep -oE '[0-9]+ failed' <<<"$line" | grep -oE '[0-9]+')
+    skipped=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+')
+    errors=$(grep -oE '[0-9]+ errors?' <<<"$line" | grep -oE '[0-9]+')
+    local counts="${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
+    [[ -n "$errors" ]] && counts+=", $errors errors"
+    [[ -z "$line" ]] && counts="no pytest summary"
+    echo "$counts"
+}
 run_step() {  # name, timeout, command...
     local name=$1 limit=$2
     shift 2
@@ -39,6 +55,8 @@ run_step() {  # name, timeout, command...
     local verdict=ok
     [[ $rc == 124 ]] && verdict="timed out after ${limit}s"
     [[ $rc != 0 && $rc != 124 ]] && verdict="failed (rc $rc)"
+    [[ $rc != 0 ]] && status=1
+    [[ $name == tests ]] && verdict+=": $(pytest_counts "$OUT/$name.log")"
     summary+=("| $name | $verdict | $((SECONDS - start)) s | $(tail -n 1 "$OUT/$name.log" | cut -c1-90) |")
 }
 
@@ -53,9 +71,9 @@ for spec in "$@"; do
     [[ "$spec" == *:* ]] && extra=${spec#*:}
     case "$name" in
         long) script=benchmarks/bench_long_prefill.py ;;
-        sanitize) script=benchmarks/sanitize.py ;;
-        kvouter | index | decode | dense | generate | tp) script=benchmarks/bench_$name.py ;;
-        *) summary+=("| $name | unknown step | - | - |"); continue ;;
+        sanitize | long_run) script=benchmarks/reliability/$name.py ;;
+        kvouter | index | decode | dense | generate | tp | memory) script=benchmarks/bench_$name.py ;;
+        *) summary+=("| $name | unknown step | - | - |"); status=1; continue ;;
     esac
     eval "args=($extra)"
     run_step "$name" "${STEP_TIMEOUT:-300}" "$PY" "$script" --out "$OUT/$name" "${args[@]}"
@@ -65,3 +83,4 @@ echo
 echo "| step | result | time | last line |"
 echo "|---|---|---|---|"
 printf '%s\n' "${summary[@]}"
+exit "$status"

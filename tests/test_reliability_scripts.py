@@ -1,17 +1,20 @@
 """The GPU reliability scripts' own logic, on the CPU: compute-sanitizer summaries are
-parsed right (a missed error count would report a dirty run as clean), and the
-long-run stability verdict flags growth."""
+parsed right (a missed error count would report a dirty run as clean), the sanitizer's
+cases reach the kernels they name, the long-run stability verdict flags growth, and the
+result files the scripts share (benchmarks/common.py) are strict JSON."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "reliability" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -68,3 +71,48 @@ def test_first_finding_is_kept():
     assert first.splitlines()[0].endswith("Invalid __global__ read of size 2 bytes")
     assert "_kvouter_partials_kernel" in first
     assert san.parse_log(MEMCHECK_CLEAN)["first_finding"] is None
+
+
+def test_sanitize_pins_each_op_through_its_config():
+    """The cases choose torch or Triton (and KV-outer's partials kernel) by the ops' configs:
+    every op named must have its config class, and the choice must reach the call."""
+    san = load("sanitize")
+    import m3_sparse
+
+    def op(name):
+        def call(*args, config=None, **kwargs):
+            return config
+
+        call.__name__ = name
+        return call
+
+    for name, cls in san.OP_CONFIGS.items():
+        assert callable(getattr(m3_sparse, name))
+        for impl in ("torch", "triton"):
+            config = san.with_impl(impl, op(name))
+            assert isinstance(config, getattr(m3_sparse, cls)) and config.impl == impl
+    assert san.with_impl("triton", op("index_topk"), config_settings={"num_splits": 3}).num_splits == 3
+    san.KVOUTER_ENGINE = "triton"
+    assert san.with_impl("triton", op("kvouter_attention")).engine == "triton"
+    assert san.with_impl("torch", op("kvouter_attention")).engine == "auto"
+
+
+def test_results_are_strict_json(tmp_path):
+    """Every script's JSON goes through common.write_json: NaN / inf (a failed variant)
+    become null, so the files load anywhere; Results rows carry the run's environment."""
+    import json
+    import math
+
+    spec = importlib.util.spec_from_file_location("common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    results = common.Results("bench_x", tmp_path)
+    results.add("case", float("nan"), what="variant", sizes={"n": 8}, baseline="other", baseline_ms=2.0,
+                err=math.inf, shape=(1, 2))
+    path = results.write()
+    assert path == tmp_path / "bench_x.json"
+    (row,) = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert row["ms"] is None and row["metrics"] == {"err": None, "shape": [1, 2]}
+    for key in ("bench", "case", "sizes", "baseline", "baseline_ms", "device", "torch", "triton", "date", "command"):
+        assert key in row
+    assert common.result_path(tmp_path / "mem.json", "bench_memory") == tmp_path / "mem.json"

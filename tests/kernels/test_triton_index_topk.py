@@ -21,7 +21,6 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import math  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -44,7 +43,9 @@ def index_topk_triton(*args, **kw):
 
 _index_topk_launch = index_topk_triton
 
-if not ON_GPU and type(sys.modules["m3_sparse.index.topk_triton"]._index_topk_kernel).__name__ != "InterpretedFunction":
+from m3_sparse.index import topk_triton  # noqa: E402
+
+if not ON_GPU and type(topk_triton._index_topk_kernel).__name__ != "InterpretedFunction":
     raise ImportError(
         "triton was imported before TRITON_INTERPRET=1 was set, so the kernels cannot run on this CPU-only "
         "machine: set TRITON_INTERPRET=1 in the environment (or in conftest.py before importing m3_sparse)"

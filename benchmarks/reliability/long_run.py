@@ -15,9 +15,9 @@ What it checks:
 * output: a second generate() on a fresh cache gives the same token ids and bitwise
   the same logits at every step (recorded into a preallocated buffer by the hook).
 
-    python3 benchmarks/long_run.py                          # 128K + 2,000 steps on CUDA
-    python3 benchmarks/long_run.py --prompt-len 32768 --steps 500
-    python3 benchmarks/long_run.py --quick                  # CPU smoke run, small shapes
+    python3 benchmarks/reliability/long_run.py                          # 128K + 2,000 steps on CUDA
+    python3 benchmarks/reliability/long_run.py --prompt-len 32768 --steps 500
+    python3 benchmarks/reliability/long_run.py --quick                  # CPU smoke run, small shapes
 
 ``--impl`` sets M3_SPARSE_IMPL for the run. The default, ``auto``, is what a user gets:
 on CUDA every op runs a Triton kernel (the index top-k; the sparse layer's
@@ -33,16 +33,17 @@ Exit status 1 if memory grew or the two runs differ.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
 
 import torch  # noqa: E402
+
+ROOT = common.ROOT
 
 MiB = 2**20
 
@@ -88,13 +89,7 @@ def build_model(shape: dict, max_positions: int, device, dtype, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="m3_sparse", dtype=dtype)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # RMSNorm gains start at zero (a 1 + w gain); random gains make index scores
-            # and attention less uniform, so the selection differs between queries.
-            if "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    common.randomize_norms(model, torch.Generator().manual_seed(seed))
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
@@ -316,9 +311,8 @@ def main() -> int:
 
     ok = same_tokens and same_logits and stab_a["stable"] is not False and stab_b["stable"] is not False
     result = {
-        "date": time.strftime("%Y-%m-%d"),
+        **common.environment(),
         "device": torch.cuda.get_device_name(device) if mem.cuda else "CPU",
-        "torch": torch.__version__,
         "dtype": str(dtype),
         "impl": args.impl,
         "shape": shape,
@@ -336,7 +330,7 @@ def main() -> int:
         "shuffle_pages": args.shuffle_pages,
         "ok": ok,
     }
-    (out_dir / "long_run.json").write_text(json.dumps(result, indent=1))
+    common.write_json(out_dir / "long_run.json", result)
     print(f"\n{'OK' if ok else 'FAILED'}; wrote {out_dir / 'long_run.json'}")
     return 0 if ok else 1
 

@@ -6,11 +6,11 @@ repeated ids and ids past the sequence, rows before a sequence's first token, em
 sequences. One process per (case, tool), the case's output checked against the torch
 path so a kernel that silently did nothing does not pass.
 
-    python3 benchmarks/sanitize.py                      # all cases, memcheck + racecheck
-    python3 benchmarks/sanitize.py --cases kvouter --tools memcheck,racecheck
-    python3 benchmarks/sanitize.py --cases kvouter --tools initcheck --engine triton
-    python3 benchmarks/sanitize.py --list
-    python3 benchmarks/sanitize.py --case dense         # one case, no sanitizer (what a run wraps)
+    python3 benchmarks/reliability/sanitize.py                      # all cases, memcheck + racecheck
+    python3 benchmarks/reliability/sanitize.py --cases kvouter --tools memcheck,racecheck
+    python3 benchmarks/reliability/sanitize.py --cases kvouter --tools initcheck --engine triton
+    python3 benchmarks/reliability/sanitize.py --list
+    python3 benchmarks/reliability/sanitize.py --case dense         # one case, no sanitizer (what a run wraps)
 
 Triton compiles a kernel at its first launch, which under the sanitizer is very slow:
 every case first runs once without it (filling TRITON_CACHE_DIR, shared by all
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import inspect
-import json
 import os
 import re
 import shutil
@@ -44,12 +43,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCH_EXT = ROOT / "torch-ext"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+ROOT = common.ROOT
 
 CASES = {}  # name -> (function, one-line description)
 # Where the cases put their tensors; "cpu" (with TRITON_INTERPRET=1) only to try the driver without a GPU.
 DEVICE = "cuda"
+# The KV-outer partials kernel of this run's Triton calls (--engine; run_case sets it).
+KVOUTER_ENGINE = "auto"
 
 
 def case(name: str, what: str):
@@ -133,16 +136,20 @@ def rel_err(torch, got, ref) -> float:
     return float(d / n) if n > 0 else float(d)
 
 
+# The launch-config class of each public op, by the op's name.
+OP_CONFIGS = {"index_topk": "IndexConfig", "kvouter_attention": "KVOuterConfig",
+              "dense_paged_attention": "DenseConfig", "sparse_decode_attention": "DecodeConfig"}
+
+
 def with_impl(impl: str, fn, *args, **kwargs):
-    old = os.environ.get("M3_SPARSE_IMPL")
-    os.environ["M3_SPARSE_IMPL"] = impl
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        if old is None:
-            os.environ.pop("M3_SPARSE_IMPL", None)
-        else:
-            os.environ["M3_SPARSE_IMPL"] = old
+    """``fn`` (a public op of m3_sparse) pinned to ``impl`` ("torch" or "triton") through its
+    config; KV-outer's Triton calls run the partials kernel of ``KVOUTER_ENGINE``."""
+    import m3_sparse
+
+    settings = {"engine": KVOUTER_ENGINE} if fn.__name__ == "kvouter_attention" and impl == "triton" else {}
+    settings.update(kwargs.pop("config_settings", {}))
+    config = getattr(m3_sparse, OP_CONFIGS[fn.__name__])(impl=impl, **settings)
+    return fn(*args, config=config, **kwargs)
 
 
 TOL = {"torch.float32": 1e-4, "torch.bfloat16": 2e-2, "torch.float16": 5e-3}
@@ -166,17 +173,15 @@ def _index_problem(torch, g, seqs, page, dtype, dim=128, heads=4):
 
 
 def _index_runs(torch, m3, results, label, batch, iq, ik, topk, block, local, scale=None, fp8_dot=False, splits=()):
-    from m3_sparse.triton_index_topk import _index_topk_launch
-
     extra = {} if scale is None else {"index_k_scale": scale}
     ref = with_impl("torch", m3.index_topk, iq, ik, batch.block_tables, **batch.kw(), topk=topk, block_size=block,
                     local_blocks=local, **extra)
     runs = [("public", lambda: with_impl("triton", m3.index_topk, iq, ik, batch.block_tables, **batch.kw(), topk=topk,
                                         block_size=block, local_blocks=local, fp8_dot=fp8_dot, **extra))]
     for s in splits:
-        runs.append((f"splits={s}", lambda s=s: _index_topk_launch(
-            iq, ik, batch.block_tables, **batch.kw(), topk=topk, block_size=block, local_blocks=local,
-            fp8_dot=fp8_dot, num_splits=s, **extra)))
+        runs.append((f"splits={s}", lambda s=s: with_impl(
+            "triton", m3.index_topk, iq, ik, batch.block_tables, **batch.kw(), topk=topk, block_size=block,
+            local_blocks=local, fp8_dot=fp8_dot, config_settings={"num_splits": s}, **extra)))
     # fp8 dots rank on quantized queries: near-ties may swap, so only gross failures count.
     limit = 0.25 if fp8_dot else 0.05
     for name, fn in runs:
@@ -312,7 +317,7 @@ def case_kvouter(torch, m3, g):
     return results
 
 
-@case("dense", "dense_paged_attention with M3_SPARSE_IMPL=triton (causal and bidirectional)")
+@case("dense", "dense_paged_attention on the Triton kernel (causal and bidirectional; forced key splits)")
 def case_dense(torch, m3, g):
     results = []
     seqs = [(300, 40), (17, 17), (3, 6), (0, 0), (260, 1), (129, 3)]
@@ -328,20 +333,19 @@ def case_dense(torch, m3, g):
         got = with_impl("triton", m3.dense_paged_attention, q, k, v, batch.block_tables, **kw)
         label = f"{str(dtype)[6:]} G{hq // hkv} D{d} page {page}{'' if causal else ' non-causal'}"
         _compare(torch, results, label, got, ref, dtype)
-        tda = getattr(m3, "triton_dense_attention", None)
-        if tda is not None and hasattr(tda, "default_num_splits"):
-            # Key splits (decode's path) written to the workspace and merged: forced here,
-            # since these short caches would get one split by default.
-            for splits in (3, 8):
-                got = tda.dense_paged_attention_triton(
-                    q, k, v, batch.block_tables, **kw, softmax_scale=None, block_n=16, num_splits=splits
-                )
-                _compare(torch, results, f"{label} {splits} key splits", got, ref, dtype)
+        # Key splits (decode's path) written to the workspace and merged: forced here,
+        # since these short caches would get one split by default.
+        for splits in (3, 8):
+            got = with_impl("triton", m3.dense_paged_attention, q, k, v, batch.block_tables, **kw,
+                            config_settings={"block_n": 16, "num_splits": splits})
+            _compare(torch, results, f"{label} {splits} key splits", got, ref, dtype)
     return results
 
 
 @case("decode_attention", "sparse_decode_attention (the decode kernel), when m3_sparse exports it; also on kept arrival counts")
 def case_decode_attention(torch, m3, g):
+    from m3_sparse.decode.attention_triton import sparse_decode_attention_triton
+
     fn = getattr(m3, "sparse_decode_attention", None)
     if fn is None:
         return None  # not in this tree
@@ -382,17 +386,15 @@ def case_decode_attention(torch, m3, g):
             ref = (ref[0], None)
         label = f"{str(dtype)[6:]} G{hq // hkv} D{d} page {page} block {block}{'' if causal else ' non-causal'}"
         _compare(torch, results, label, got, ref, dtype)
-        tdec = getattr(m3, "triton_decode", None)
-        if tdec is not None and "arrival_counts" in inspect.signature(tdec.sparse_decode_attention_triton).parameters:
-            # The in-place merge on a count buffer kept across calls (left zero by each).
-            counts = torch.zeros(q.shape[0] * hkv, dtype=torch.int32, device=DEVICE)
-            for i in range(2):
-                kept = tdec.sparse_decode_attention_triton(
-                    q, k, v, sel, batch.block_tables, **batch.kw(), block_size=block, causal=causal,
-                    return_lse=True, num_splits=3, arrival_counts=counts,
-                )
-                _compare(torch, results, f"{label}, kept counts, call {i}", kept, ref, dtype)
-            results.append((f"{label}, counts left zero", 0.0, int(torch.count_nonzero(counts)) == 0))
+        # The in-place merge on a count buffer kept across calls (left zero by each).
+        counts = torch.zeros(q.shape[0] * hkv, dtype=torch.int32, device=DEVICE)
+        for i in range(2):
+            kept = sparse_decode_attention_triton(
+                q, k, v, sel, batch.block_tables, **batch.kw(), block_size=block, causal=causal,
+                return_lse=True, config=m3.DecodeConfig(num_splits=3), arrival_counts=counts,
+            )
+            _compare(torch, results, f"{label}, kept counts, call {i}", kept, ref, dtype)
+        results.append((f"{label}, counts left zero", 0.0, int(torch.count_nonzero(counts)) == 0))
     return results
 
 
@@ -401,18 +403,14 @@ def case_decode_attention(torch, m3, g):
 
 def run_case(name: str, device: str = "cuda", engine: str = "auto") -> int:
     """Run one case once (the process a sanitizer run wraps); 0 if its checks pass.
-    ``engine``: the KV-outer partials kernel (``triton_kvouter.ATTN_CONFIG["engine"]``)."""
-    global DEVICE
-    DEVICE = device
+    ``engine``: the KV-outer partials kernel of the Triton calls (``KVOuterConfig.engine``)."""
+    global DEVICE, KVOUTER_ENGINE
+    DEVICE, KVOUTER_ENGINE = device, engine
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    sys.path.insert(0, str(TORCH_EXT))
     import torch
 
     import m3_sparse
-    from m3_sparse import triton_kvouter
-
-    triton_kvouter.ATTN_CONFIG["engine"] = engine
 
     if device == "cuda" and not torch.cuda.is_available():
         print(f"case {name}: needs a CUDA device", flush=True)
@@ -610,7 +608,6 @@ def main() -> int:
     lines.append(f"\ntotal {total:.0f} s; logs in {out_dir}; {'FAILED' if failed else 'all clean'}")
     print("\n".join(lines), flush=True)
     summary = {
-        "date": time.strftime("%Y-%m-%d"),
         "sanitizer": sanitizer,
         "tools": tools,
         "warmup": warm,
@@ -618,7 +615,7 @@ def main() -> int:
         "seconds": round(total, 1),
         "failed": failed,
     }
-    (out_dir / "sanitize.json").write_text(json.dumps(summary, indent=1))
+    common.write_json(out_dir / "sanitize.json", {**common.environment(), **summary})
     return 1 if failed else 0
 
 
