@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_79322b7bb1"
+NAMESPACE = "_m3_sparse_cpu_02c38cc2c0"
 
 ops = getattr(torch.ops, NAMESPACE)
 

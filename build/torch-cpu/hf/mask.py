@@ -19,7 +19,10 @@ from ..core.validate import debug_enabled
 
 ATTN_IMPLEMENTATION = "m3_sparse"
 
+# A second copy of this module (another kernel build loaded side by side) must not wrap the
+# patched function again: the original is kept on the patch.
 _ORIGINAL_CREATE_CAUSAL_MASK = getattr(m3.create_causal_mask, "m3_sparse_original", m3.create_causal_mask)
+
 
 def uses_m3_sparse(config) -> bool:
     """Whether ``config`` runs m3_sparse: under its registered name, or under a hub string
@@ -35,6 +38,8 @@ def uses_m3_sparse(config) -> bool:
     return bool(getattr(ALL_ATTENTION_FUNCTIONS.get(impl), "is_m3_sparse_attention", False))
 
 
+# The padding mask of the forward pass being run, per thread. (A side channel: the cache and
+# the indexer get no mask argument from transformers.)
 _STEP = threading.local()
 
 
