@@ -17,9 +17,8 @@ import torch
 
 from . import dispatch
 from .core.args import AttnArgs, IndexArgs
-from .core.launch import fp8_flags
 from .core.layout import chunk_varlen, token_positions
-from .core.validate import attention_args, check_partial_dtype, check_positive_int, index_args
+from .core.validate import attention_args, check_positive_int, index_args
 from .decode.attention import sparse_decode_attention_torch
 from .decode.plan import DecodeConfig
 from .dense.attention import dense_paged_attention_torch
@@ -28,7 +27,7 @@ from .index.plan import IndexConfig
 from .index.topk import index_topk_torch
 from .kvouter.build import build_kvouter_index
 from .kvouter.combine import combine_torch, merge_scale
-from .kvouter.partials import partials_torch, validate_partials
+from .kvouter.partials import partials_args, partials_torch
 from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
 
 # The GPU launchers (``*_triton``, ``*_gluon_sm90``) import Triton, which a CPU install need not
@@ -216,15 +215,10 @@ def kvouter_partials_gpu(
     """The partials stage on the GPU kernels (the interpreter on the CPU), over a given index
     and schedule: same arguments and results as ``kvouter_partials``, the kernel chosen by
     ``config.engine`` (kernel tests and benchmarks)."""
-    batch = validate_partials(
-        q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size
-    )
-    _, _, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
-    args = AttnArgs(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens, batch=batch, softmax_scale=float(softmax_scale), causal=bool(causal),
-        return_lse=False, scales=scales, out_dtype=out_dtype, block_size=block_size, max_blocks=index.max_blocks,
-        partial_dtype=check_partial_dtype(partial_dtype, v_cache, out_dtype),
+    args = partials_args(
+        q, k_cache, v_cache, index, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
     )
     return _partials_gpu(args, index, sched, config or KVOuterConfig())
 

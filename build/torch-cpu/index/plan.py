@@ -23,7 +23,8 @@ PROGRAMS_PER_SM = 8
 # A split scores at least this many key chunks (its fixed cost: the query tile,
 # the table reads and the merge's share).
 MIN_CHUNKS_PER_SPLIT = 2
-MAX_SPLITS = 128
+# Most key-range splits of one row tile (the split merge keeps their top lists in a workspace).
+MAX_KEY_SPLITS = 128
 # With fp8 keys and the fp8 dot, row tiles up to this height (decode) are scored
 # key-major (K @ Q^T: the key tile is the MMA's M), with a deeper key pipeline: faster for
 # fp8 keys with the fp8 dot only (docs/PERF.md, index branch in decode).
@@ -129,7 +130,7 @@ def plan(args: IndexArgs, cfg: IndexConfig = DEFAULT_CONFIG) -> IndexPlan:
         est = max(-(-num_tokens * heads // bm), min(batch, num_tokens), 1)
         target = PROGRAMS_PER_SM * num_sms(args.index_q.device, cpu_default=2)
         cap_chunks = -(-args.block_tables.shape[1] * page_size // ch)
-        most = max(1, min(cap_chunks // MIN_CHUNKS_PER_SPLIT, MAX_SPLITS))
+        most = max(1, min(cap_chunks // MIN_CHUNKS_PER_SPLIT, MAX_KEY_SPLITS))
         num_splits = 1 if est >= target else min(-(-target // est), most)
     return IndexPlan(
         bm=bm, bk=bk, ch=ch, num_splits=num_splits, key_major=key_major, dot_fp32=dot_fp32,

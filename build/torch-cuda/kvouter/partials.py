@@ -92,18 +92,30 @@ def kvouter_partials(
     ``partial_dtype``: ``out_dtype`` (the default) or float8_e4m3fn with fp8 caches
     (normalized rows, see the module doc).
     """
+    args = partials_args(
+        q, k_cache, v_cache, index, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype,
+        partial_dtype=partial_dtype,
+    )
+    return partials_torch(args, index)
+
+
+def partials_args(
+    q, k_cache, v_cache, index, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale, causal, block_size,
+    scales, out_dtype, partial_dtype,
+) -> AttnArgs:
+    """The checked argument object of a partials stage over a given ``index`` (the torch stage
+    here, the GPU kernels through ``api.kvouter_partials_gpu``)."""
     batch = validate_partials(
         q, k_cache, v_cache, index, block_tables, cu_seqlens_q, used_kv_lens, softmax_scale, block_size
     )
     _, _, out_dtype = fp8_flags(q, k_cache, scales, out_dtype, "kvouter_attention")
-    partial_dtype = check_partial_dtype(partial_dtype, v_cache, out_dtype)
-    args = AttnArgs(
+    return AttnArgs(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
         used_kv_lens=used_kv_lens, batch=batch, softmax_scale=float(softmax_scale), causal=bool(causal),
         return_lse=False, scales=scales, out_dtype=out_dtype, block_size=block_size, max_blocks=index.max_blocks,
-        partial_dtype=partial_dtype,
+        partial_dtype=check_partial_dtype(partial_dtype, v_cache, out_dtype),
     )
-    return partials_torch(args, index)
 
 
 def partials_torch(args: AttnArgs, index: KVOuterIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

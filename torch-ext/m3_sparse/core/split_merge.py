@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import MAX_SPLITS, next_pow2  # noqa: F401  (MAX_SPLITS bounds S here)
+from .launch import next_pow2
 
 # Partial values (splits x heads x head dim) one merge program holds: 8 splits of 8 heads at
 # D = 128, loaded all at once (64 registers a thread at 4 warps).
