@@ -1,15 +1,16 @@
 """A decode step of an M3 model on the paged cache: no host synchronization inside it,
 and captured once in a CUDA graph it replays step after step with the results of eager
-steps (the cache's lengths advance on the device, in fixed buffers)."""
+steps (the cache's lengths advance on the device, in fixed buffers); generate() compiles
+it by default (inductor, CUDA graphs) and gives the eager tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, CompileConfig
 
 from m3_hf_attention import M3PagedCache
-from model_utils import VOCAB, random_prompt, save_tiny_text_model
+from model_utils import PAD, VOCAB, greedy, random_prompt, save_tiny_text_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -104,3 +105,62 @@ def test_decode_step_does_not_synchronize(model):
         _step(model, cache, feed[1], pos)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+CACHES = {
+    "bf16_index": {},
+    "fp8_index": dict(index_key_dtype=torch.float8_e4m3fn),
+    "fp8_index_and_kv": dict(
+        index_key_dtype=torch.float8_e4m3fn, kv_cache_dtype=torch.float8_e4m3fn, k_scale=0.02, v_scale=0.03
+    ),
+}
+
+
+def _left_padded_prompt(seed):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.stack([random_prompt(PROMPT, g) for _ in range(BATCH)])
+    mask = torch.ones_like(prompt)
+    for row, pads in enumerate((0, 9, 30)[:BATCH]):
+        prompt[row, :pads], mask[row, :pads] = PAD, 0
+    return prompt.cuda(), mask.cuda()
+
+
+@pytest.mark.parametrize("kind", list(CACHES))
+@torch.no_grad()
+def test_generate_compiles_decode_with_the_eager_tokens(model, kind):
+    """generate()'s default on CUDA: the decode step compiled and replayed as a CUDA graph,
+    120 steps of a left-padded batch, token for token the eager decode."""
+    prompt, mask = _left_padded_prompt(5)
+    steps = 120
+
+    def run(**kwargs):
+        cache = M3PagedCache(model.config, BATCH, PROMPT + steps, page_size=PAGE, device="cuda", **CACHES[kind])
+        return greedy(model, prompt, mask, new_tokens=steps, past_key_values=cache, **kwargs)
+
+    eager = run(disable_compile=True)
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    compiled = run()
+    assert hasattr(model, "_compiled_call"), "generate() did not compile the decode step"
+    assert torch.equal(compiled, eager)
+
+
+@torch.no_grad()
+def test_compiled_decode_step_does_not_synchronize(model):
+    prompt, mask = _left_padded_prompt(6)
+    cache = M3PagedCache(model.config, BATCH, PROMPT + 16, page_size=PAGE, device="cuda")
+    model(input_ids=prompt, attention_mask=mask, past_key_values=cache, use_cache=True)
+    step = torch.compile(model.__call__, **CompileConfig().to_dict())  # what generate() compiles
+    ids = torch.full((BATCH, 1), 5, dtype=torch.long, device="cuda")
+    pos = mask.sum(-1, keepdim=True)
+    new = torch.ones(BATCH, 1, dtype=torch.long, device="cuda")
+    for i in range(3):  # compile, record the graph, first replay
+        step(input_ids=ids, position_ids=pos + i, attention_mask=new, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3, 8):
+            step(input_ids=ids, position_ids=pos + i, attention_mask=new, past_key_values=cache, use_cache=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.sequence_lengths().tolist() == (mask.sum(-1) + 8).tolist()

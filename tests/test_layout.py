@@ -19,7 +19,8 @@ ALLOWED = {
     "dispatch": {"core", *OPS},
     "api": {"dispatch", "core", *OPS},
     "custom_ops": {"api", "core", "_ops"},
-    "hf": {"hf", "api", "core"},
+    # custom_ops: the api's ops as torch.library ops, which a compiled decode step calls.
+    "hf": {"hf", "api", "custom_ops", "core"},
     "reference": {"core"},
     "_ops": set(),
     "__init__": {"api", "kvouter", "custom_ops", "reference", "_ops", "hf"},

@@ -92,8 +92,41 @@ def _register(name: str):
     return op
 
 
+# What a caller of ``call`` may leave out: the op's "not given" values.
+_CALL_DEFAULTS = {"max_seqlen_q": 0, "fp8_dot": False}
+_SCALES = ("q_scale", "k_scale", "v_scale")
+
+
+def call(name: str, **kwargs):
+    """``api.<name>(**kwargs)`` through the op's custom op, for code that ``torch.compile``
+    traces: the api's keywords; optional ones left out take the op's defaults, and float
+    dequantization scales become fp32 tensors (the schema takes tensors). Returns what the
+    op returns (the attention ops: ``(out, lse)``)."""
+    op = _OPS[name]
+    names = _names(SCHEMAS[name][0])
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"{name}: unexpected arguments {sorted(unknown)}")
+    args = []
+    for n in names:
+        value = kwargs.get(n, _CALL_DEFAULTS.get(n))
+        if n in _SCALES and value is not None and not isinstance(value, torch.Tensor):
+            first = kwargs[names[0]]
+            value = torch.full((1,), float(value), dtype=torch.float32, device=first.device)
+        args.append(value)
+    return op(*args)
+
+
 index_topk_op = _register("index_topk")
 kvouter_attention_op = _register("kvouter_attention")
 sparse_decode_attention_op = _register("sparse_decode_attention")
 sparse_attention_op = _register("sparse_attention")
 dense_paged_attention_op = _register("dense_paged_attention")
+
+_OPS = {
+    "index_topk": index_topk_op,
+    "kvouter_attention": kvouter_attention_op,
+    "sparse_decode_attention": sparse_decode_attention_op,
+    "sparse_attention": sparse_attention_op,
+    "dense_paged_attention": dense_paged_attention_op,
+}

@@ -36,7 +36,7 @@ import torch
 from transformers.distributed.tensor_parallel import ParallelInterface, TensorParallelLayer
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from .mask import uses_m3_sparse
+from .impl import uses_m3_sparse
 
 HEAD_CHECK_STYLE = "m3_sparse_heads"
 _SELF_ATTN = re.compile(r"^(?P<prefix>.*\bself_attn)\.(?P<proj>[qkvo])_proj$")

@@ -2,6 +2,9 @@
 
 Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own module):
 
+0. :func:`attention_forward` (the attention module's forward while this package is
+   loaded) checks that an :class:`M3PagedCache` fits the model and hands its layer to the
+   attention function (``m3_paged_layer``), then runs transformers' own forward:
 1. ``past_key_values.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
    and returns the page pools;
 2. ``self.indexer(...)``: while ``m3_sparse`` is active the indexer's forward is
@@ -17,6 +20,10 @@ Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own mo
 The mask function hands the attention function the 2-D padding mask unchanged
 (never a 4-D mask), from which it learns how many of each sequence's new tokens are
 real (right padding).
+
+Under ``torch.compile`` (``generate()``'s compiled decode) the ops are called as their
+custom ops (``custom_ops``: one opaque graph node each), and nothing here reads a host
+value that changes from step to step.
 """
 
 from __future__ import annotations
@@ -28,17 +35,23 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from .. import api
+from transformers.masking_utils import create_masks_for_generate
+
+from .. import api, custom_ops
 from ..core.validate import debug_enabled
 from . import tp
-from .cache import ATTN_IMPLEMENTATION, M3PagedCache, M3PagedLayer, paged_layer_of, uses_m3_sparse
-from .mask import create_causal_mask, m3_sparse_mask, new_token_layout, step_mask
+from .cache import M3PagedCache, M3PagedLayer, new_token_layout
+from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
+from .mask import create_causal_mask, m3_sparse_mask, step_mask
 
 EPHEMERAL_PAGE_SIZE = 64
 
 # A second copy of this module (another kernel build loaded side by side) must not wrap
 # the patched functions again: the originals are kept on the patches.
 _ORIGINAL_INDEXER_FORWARD = getattr(m3.MiniMaxM3VLIndexer.forward, "m3_sparse_original", m3.MiniMaxM3VLIndexer.forward)
+_ORIGINAL_ATTENTION_FORWARD = getattr(
+    m3.MiniMaxM3VLAttention.forward, "m3_sparse_original", m3.MiniMaxM3VLAttention.forward
+)
 
 
 def is_active(config) -> bool:
@@ -51,12 +64,22 @@ def _on_input_device(fn):
 
     @functools.wraps(fn)
     def wrapper(module, x, *args, **kwargs):
-        if x.is_cuda and x.device.index != torch.cuda.current_device():
+        # A compiled step runs on one device (generate() does not compile across devices).
+        if not torch.compiler.is_compiling() and x.is_cuda and x.device.index != torch.cuda.current_device():
             with torch.cuda.device(x.device):
                 return fn(module, x, *args, **kwargs)
         return fn(module, x, *args, **kwargs)
 
     return wrapper
+
+
+def _op(name: str, **kwargs):
+    """``api.<name>(**kwargs)``; while ``torch.compile`` traces, the same call as the op's
+    custom op, which the graph keeps as one node (the op's checks and launch logic run
+    when the graph runs, never while tracing)."""
+    if torch.compiler.is_compiling():
+        return custom_ops.call(name, **kwargs)
+    return getattr(api, name)(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,7 +117,9 @@ def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.T
     be dropped this way and is rejected by :func:`_check_no_holes`.
     """
     batch, sk = x.shape[0], x.shape[2]
-    lead, _ = new_token_layout(mask, batch, sk, q_len, x.device)
+    if mask is not None and tuple(mask.shape) != (batch, sk):
+        mask = None  # not this history's mask (another cache's): no leading pads to drop
+    lead, _ = new_token_layout(mask, batch, q_len, x.device)
     if sk == q_len:
         src = (torch.arange(sk, device=x.device)[None, :] + lead[:, None]).clamp(max=sk - 1)
         x = x.gather(2, src[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
@@ -107,16 +132,22 @@ def _contiguous_pages(x: torch.Tensor, q_len: int, page_size: int, mask: torch.T
 # ---------------------------------------------------------------------------------------
 # short histories: every block selected
 # ---------------------------------------------------------------------------------------
-def every_block_selected(slots: int, topk: int, block_size: int) -> bool:
-    """Whether a history of at most ``slots`` tokens per sequence (a host-side bound) has
+def every_block_selected(slots: "int | M3PagedLayer", topk: int, block_size: int) -> bool:
+    """Whether a history of at most ``slots`` tokens per sequence (a host-side bound, or
+    a paged layer's ``slots_used``, read only when the answer can be used) has
     no more blocks than the top-k keeps: every query then selects every block it can see,
     so the sparse layer is exactly dense causal attention and the scores need not run.
 
-    Never while a CUDA graph is being captured: replays of the step go on past the
-    history length seen at capture, and the sparse kernels are right at every length.
+    Never in a compiled step or while a CUDA graph is being captured: replays of the step
+    go on past the history length seen when it was made, and the sparse kernels are right
+    at every length.
     """
+    if torch.compiler.is_compiling():
+        return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
+    if isinstance(slots, M3PagedLayer):
+        slots = slots.slots_used
     return -(-slots // block_size) <= topk
 
 
@@ -155,10 +186,9 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     fp8_args = {}
     if layer is not None:
         pool = layer.update_index(idx_k)
-        if every_block_selected(layer.slots_used, self.topk_blocks, self.block_size):
+        if every_block_selected(layer, self.topk_blocks, self.block_size):
             return _first_blocks(batch, heads, q_len, self.topk_blocks, layer.slots_used, self.block_size, idx_q.device)
-        tables, kv_lens = layer.block_tables, layer.step_kv_lens
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=idx_q.device) * q_len
+        tables, kv_lens, cu = layer.block_tables, layer.step_kv_lens, layer.step_cu_seqlens
         if layer.index_scales is not None:
             # Only fp8 caches pass these, so a kernel build that predates them still
             # serves every other cache.
@@ -172,10 +202,11 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         _check_no_holes(step_mask(), q_len)
         pool, tables, cu, kv_lens = _contiguous_pages(history, q_len, EPHEMERAL_PAGE_SIZE, step_mask())
         pool = pool[:, 0]  # one shared index-key head
-    selected = api.index_topk(
-        idx_q.transpose(1, 2).reshape(batch * q_len, heads, self.head_dim),
-        pool,
-        tables,
+    selected = _op(
+        "index_topk",
+        index_q=idx_q.transpose(1, 2).reshape(batch * q_len, heads, self.head_dim),
+        index_k_cache=pool,
+        block_tables=tables,
         cu_seqlens_q=cu,
         used_kv_lens=kv_lens,
         topk=self.topk_blocks,
@@ -203,12 +234,14 @@ def m3_sparse_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     block_indices: torch.Tensor | None = None,
+    m3_paged_layer: M3PagedLayer | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention interface of ``m3_sparse``: query [B, Hq, S, D] -> (out [B, S, Hq, D], None).
 
-    ``key``/``value`` are either the page pools returned by :class:`M3PagedCache` or
-    contiguous ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
+    ``key``/``value`` are either the page pools of ``m3_paged_layer`` (the layer of an
+    :class:`M3PagedCache`, passed by :func:`attention_forward`) or contiguous
+    ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
     """
     if dropout and module.training:
         raise ValueError("m3_sparse: attention dropout is not supported (inference kernels)")
@@ -221,12 +254,11 @@ def m3_sparse_attention(
     causal = getattr(module, "is_causal", True)
     q = query.transpose(1, 2).reshape(batch * q_len, hq, d)
 
-    layer: M3PagedLayer | None = paged_layer_of(key)
+    layer = m3_paged_layer
     if layer is not None:
-        if value is not layer.values:
-            raise ValueError("m3_sparse: key and value come from different cache layers")
-        k_pool, v_pool, tables, kv_lens = key, value, layer.block_tables, layer.step_kv_lens
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * q_len
+        if key is not layer.keys or value is not layer.values:
+            raise ValueError("m3_sparse: key and value are not the page pools of the cache layer passed with them")
+        k_pool, v_pool, tables, kv_lens, cu = key, value, layer.block_tables, layer.step_kv_lens, layer.step_cu_seqlens
     else:
         if not causal and attention_mask is not None:
             raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
@@ -241,21 +273,22 @@ def m3_sparse_attention(
         k_pool, tables, cu, kv_lens = _contiguous_pages(key, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
         v_pool, _, _, _ = _contiguous_pages(value, q_len, EPHEMERAL_PAGE_SIZE, attention_mask)
 
-    history = layer.slots_used if layer is not None else key.shape[2]
     fp8 = layer.kv_scale_args() if layer is not None else {}
     # Passed only when set, like the scales, so a kernel build that predates it serves the rest.
     partial_dtype = layer.cache.partial_dtype if layer is not None else None
     partials = {"partial_dtype": partial_dtype} if partial_dtype is not None else {}
     if block_indices is not None and not every_block_selected(
-        history, block_indices.shape[-1], module.config.index_block_size
+        layer if layer is not None else key.shape[2], block_indices.shape[-1],
+        module.config.index_block_size,
     ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
-        out, _ = api.sparse_attention(
-            q,
-            k_pool,
-            v_pool,
-            bi,
-            tables,
+        out, _ = _op(
+            "sparse_attention",
+            q=q,
+            k_cache=k_pool,
+            v_cache=v_pool,
+            selected=bi,
+            block_tables=tables,
             cu_seqlens_q=cu,
             used_kv_lens=kv_lens,
             max_seqlen_q=q_len,
@@ -266,11 +299,12 @@ def m3_sparse_attention(
             **partials,
         )
     else:
-        out, _ = api.dense_paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            tables,
+        out, _ = _op(
+            "dense_paged_attention",
+            q=q,
+            k_cache=k_pool,
+            v_cache=v_pool,
+            block_tables=tables,
             cu_seqlens_q=cu,
             used_kv_lens=kv_lens,
             softmax_scale=scaling,
@@ -285,14 +319,45 @@ def m3_sparse_attention(
 m3_sparse_attention.is_m3_sparse_attention = True
 
 
+def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """``MiniMaxM3VLAttention.forward`` while this package is loaded: transformers' own
+    forward, told which paged layer serves it. With an :class:`M3PagedCache` it first checks
+    that the cache fits this model (a ``ValueError`` that names the mismatch), then passes
+    the cache layer on to the attention function as ``m3_paged_layer`` (transformers hands
+    extra keywords through to the attention interface)."""
+    if isinstance(past_key_values, M3PagedCache):
+        kwargs["m3_paged_layer"] = past_key_values.layer_for(self.layer_idx, self.config, self.indexer is not None)
+    return _ORIGINAL_ATTENTION_FORWARD(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+
+
+attention_forward.m3_sparse_original = _ORIGINAL_ATTENTION_FORWARD
+
+
 # ---------------------------------------------------------------------------------------
 # generate(): a paged cache by default
 # ---------------------------------------------------------------------------------------
+def _check_left_padded(attention_mask: torch.Tensor | None) -> None:
+    """generate() reads each row's next token from the last position, so a right-padded
+    prompt would continue from a pad: refuse it (one host read per generate() call)."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[-1] == 0:
+        return
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError(
+            "m3_sparse: generate() got a right-padded prompt (a row whose last position is padding); its next "
+            "token would follow a pad. Pad on the left: tokenizer.padding_side = 'left'."
+        )
+
+
 def _prepare_cache_for_generation(original):
     def prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        if not is_active(self.config.get_text_config(decoder=True)):
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        _check_left_padded(model_kwargs.get("attention_mask"))
+        user_cache = model_kwargs.get("past_key_values")
+        if isinstance(user_cache, M3PagedCache):
+            user_cache.check_generation(max_cache_length)
         if (
-            is_active(self.config.get_text_config(decoder=True))
-            and model_kwargs.get("past_key_values") is None
+            user_cache is None
             and generation_config.use_cache is not False
             and generation_config.cache_implementation in (None, "static")
         ):
@@ -301,14 +366,35 @@ def _prepare_cache_for_generation(original):
             # Layers spread over devices (device_map, offloading): each allocates its pages on
             # the device its K/V arrive on.
             spread = len({p.device for p in self.parameters()}) > 1
-            model_kwargs["past_key_values"] = M3PagedCache(
-                self.config, rows, length, device=None if spread else self.device, dtype=self.dtype
-            )
+            cache = M3PagedCache(self.config, rows, length, device=None if spread else self.device, dtype=self.dtype)
+            if spread:
+                # generate() compiles (and graph-captures) a step on one device only.
+                cache.compileable = False
+            model_kwargs["past_key_values"] = cache
             return None
         return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
     prepare.__wrapped__ = original
     return prepare
+
+
+def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+    """The mask generate() hands a model whose cache is compileable. With an
+    :class:`M3PagedCache` under m3_sparse: the padding of the step's new tokens only
+    (``[B, q_len]``), so a compiled decode step sees one input shape at every length;
+    otherwise transformers' own ``create_masks_for_generate``."""
+    if (
+        isinstance(past_key_values, M3PagedCache)
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 2
+        and is_active(config.get_text_config(decoder=True))
+    ):
+        # A fresh tensor: a slice would carry the full mask's row stride, which grows every step.
+        return attention_mask[:, -inputs_embeds.shape[1]:].clone(memory_format=torch.contiguous_format)
+    return create_masks_for_generate(
+        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=past_key_values,
+        **kwargs,
+    )
 
 
 _REGISTERED = False
@@ -323,9 +409,11 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, m3_sparse_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, m3_sparse_mask)
     m3.MiniMaxM3VLIndexer.forward = indexer_forward
+    m3.MiniMaxM3VLAttention.forward = attention_forward
     m3.create_causal_mask = create_causal_mask
     for cls in (m3.MiniMaxM3VLForCausalLM, m3.MiniMaxM3SparseForConditionalGeneration):
         cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
+        cls.create_masks_for_generate = _create_masks_for_generate
     tp.register()
     _REGISTERED = True
 

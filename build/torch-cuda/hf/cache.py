@@ -9,9 +9,22 @@ tokens of each sequence on the device, so sequences of different lengths live in
 batch without holes: a right-padded prompt writes its pad tokens past the sequence's
 end, and the next step overwrites them.
 
-Capacity is checked on the host from the number of token slots fed so far (an upper
-bound of every sequence's length), so an overflowing update raises before anything
-is written and without a device synchronization.
+The cache is compileable: ``generate()`` compiles its decode step and replays it as a CUDA
+graph, as it does for transformers' ``StaticCache``. Everything a step changes lives in
+device buffers at fixed addresses (lengths, the slot count, the pages); nothing on the host
+has to advance per step. The host keeps a copy of the slot count while steps run eagerly,
+and reads the device count back (one synchronization) on the first eager use after
+compiled steps.
+
+Capacity: an eager update checks on the host, from the number of token slots fed so far
+(an upper bound of every sequence's length), so an overflowing update raises before
+anything is written and without a device synchronization. Compiled steps are checked once
+per ``generate()`` call, before the prompt is written (``check_generation``); a compiled
+step past the end of the table writes to a scratch page and never out of bounds.
+
+Padding: the model's ``create_causal_mask`` (wrapped by this package) hands each forward
+pass's padding mask to :meth:`M3PagedCache.begin_step`; the layers read the layout of the
+step's new tokens from there.
 """
 
 from __future__ import annotations
@@ -23,15 +36,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.quant import quantize_rows, to_e4m3
-from .mask import ATTN_IMPLEMENTATION, new_token_layout, step_mask, uses_m3_sparse
+from ..core.validate import debug_enabled
+from .impl import uses_m3_sparse
 
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 DEFAULT_PAGE_SIZE = 64
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
-# id(page pool) -> layer, so the attention function can tell that the K/V it was
-# handed are the pools of a paged layer (identity is verified on lookup).
-_POOL_OWNERS: dict[int, weakref.ref] = {}
 
 
 def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,18 +51,54 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_rows(keys)
 
 
-def paged_layer_of(key: torch.Tensor) -> "M3PagedLayer | None":
-    ref = _POOL_OWNERS.get(id(key))
-    layer = ref() if ref is not None else None
-    if layer is not None and layer.keys is key:
-        return layer
-    return None
+def new_token_layout(mask: torch.Tensor | None, batch: int, q_len: int, device):
+    """(leading pads, real tokens) among each sequence's ``q_len`` new tokens, both [B] int64.
+
+    ``mask`` is a 2-D padding mask ``[B, >= q_len]`` whose last ``q_len`` columns are the
+    new tokens (``None``: every token is real). The new tokens of a row must be
+    ``[pad]*lead + [real]*n + [pad]*rest``: left and right padding both work; a pad between
+    real tokens is rejected (checked where reading the mask is free: on the CPU or with
+    ``M3_SPARSE_DEBUG=1``, and never while tracing for ``torch.compile``).
+    """
+    if mask is None:
+        full = torch.full((batch,), q_len, dtype=torch.int64, device=device)
+        return torch.zeros_like(full), full
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < q_len:
+        raise ValueError(
+            f"attention_mask: expected a 2-D padding mask [batch={batch}, >= {q_len} tokens] whose last {q_len} "
+            f"columns are the new tokens, got shape {tuple(mask.shape)}"
+        )
+    new = mask[:, -q_len:].to(device=device, dtype=torch.bool)
+    n = new.sum(-1)
+    lead = torch.where(n > 0, new.to(torch.int8).argmax(-1), q_len).to(torch.int64)
+    if not torch.compiler.is_compiling() and (new.device.type == "cpu" or debug_enabled()):
+        idx = torch.arange(q_len, device=new.device)
+        expected = (idx[None, :] >= lead[:, None]) & (idx[None, :] < (lead + n)[:, None])
+        if not bool((expected == new).all()):
+            raise ValueError(
+                "M3PagedCache: the new tokens of a row have padding between real tokens; expected left or right "
+                "padding only"
+            )
+    return lead, n
+
+
+def _mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tell ``torch.compile`` that these buffers keep their address: a compiled step then
+    reads and updates them in place instead of copying them into its CUDA graph. (Not
+    allowed while tracing; buffers are allocated by eager calls.)"""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
 
 
 class M3PagedLayer(CacheLayerMixin):
-    """One layer of :class:`M3PagedCache`."""
+    """One layer of :class:`M3PagedCache`: its page pools. The lengths and the current
+    step's token positions are the cache's, shared by every layer (``seq_lens``,
+    ``step_kv_lens``, ... read them on this layer's device)."""
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     supports_early_init = True
 
@@ -63,12 +110,6 @@ class M3PagedLayer(CacheLayerMixin):
         self.index_keys: torch.Tensor | None = None
         # fp8 index keys: fp32 [pages + 1, page_size] per token, or [1] with one scale for the pool.
         self.index_scales: torch.Tensor | None = None
-        self.seq_lens: torch.Tensor | None = None  # [B] int32 committed tokens per sequence
-        self.step_kv_lens: torch.Tensor | None = None  # [B] int32 tokens visible to the current step
-        self.pending: torch.Tensor | None = None  # [B] int32 tokens the current step will commit
-        self.step_len = 0
-        self.index_written = False
-        self.slots_used = 0
 
     # -- shape bookkeeping -------------------------------------------------------------
     @property
@@ -78,11 +119,42 @@ class M3PagedLayer(CacheLayerMixin):
             raise RuntimeError("M3PagedLayer outlived its M3PagedCache")
         return cache
 
+    def _state(self, name: str) -> torch.Tensor | None:
+        return self.cache.state_on(self.keys.device if self.is_initialized else None, name)
+
     @property
     def block_tables(self) -> torch.Tensor:
-        if self.seq_lens is None:
+        if not self.is_initialized:
             return self.cache.block_tables
-        return self.cache.block_tables_on(self.seq_lens.device)
+        return self.cache.block_tables_on(self.keys.device)
+
+    @property
+    def seq_lens(self) -> torch.Tensor | None:
+        """[B] int32: tokens committed per sequence before the current step."""
+        return self._state("seq_lens")
+
+    @property
+    def step_kv_lens(self) -> torch.Tensor | None:
+        """[B] int32: tokens the current step's queries see per sequence (themselves included)."""
+        return self._state("step_kv_lens")
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """[B] int32: real tokens of the current step, committed when the next one begins."""
+        return self._state("pending")
+
+    @property
+    def step_cu_seqlens(self) -> torch.Tensor:
+        """[B + 1] int32: ``cu_seqlens_q`` of the current step (``q_len`` queries per sequence)."""
+        return self._state("cu")
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        return self._state("slots")
+
+    @property
+    def slots_used(self) -> int:
+        return self.cache.slots_used
 
     @property
     def page_size(self) -> int:
@@ -113,13 +185,8 @@ class M3PagedLayer(CacheLayerMixin):
                 self.index_scales = torch.full((1,), cache.index_k_scale, dtype=torch.float32, device=device)
             elif cache.index_key_dtype is not None:
                 self.index_scales = torch.zeros(cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device)
-        # Length state lives in fixed buffers updated in place, so a step captured in a
-        # CUDA graph keeps advancing it on every replay.
-        self.seq_lens = torch.zeros(cache.max_batch, dtype=torch.int32, device=device)
-        self.step_kv_lens = torch.zeros_like(self.seq_lens)
-        self.pending = torch.zeros_like(self.seq_lens)
+        _mark_static(self.keys, self.values, self.index_keys, self.index_scales)
         self.is_initialized = True
-        _POOL_OWNERS[id(self.keys)] = weakref.ref(self)
 
     # -- writes ------------------------------------------------------------------------
     def _check_new(self, name: str, states: torch.Tensor, heads: int | None, dim: int | None) -> None:
@@ -137,23 +204,10 @@ class M3PagedLayer(CacheLayerMixin):
         if states.device != self.keys.device:
             raise ValueError(f"{name}: expected a tensor on {self.keys.device}, got one on {states.device}")
 
-    def _locate(self, q_len: int, lead: torch.Tensor) -> None:
-        """Page and slot of each new token: token ``i`` of row ``b`` goes to position
-        ``seq_lens[b] + i - lead[b]``; leading pads go to the scratch page."""
-        device = self.seq_lens.device
-        i = torch.arange(q_len, device=device)
-        pos = self.seq_lens.to(torch.int64)[:, None] + i[None, :] - lead[:, None]  # [B, S]
-        is_pad = i[None, :] < lead[:, None]
-        # The host-side capacity check does not run when a captured step replays: a
-        # position past the table then goes to the scratch page instead of out of bounds.
-        is_pad |= pos >= self.block_tables.shape[1] * self.page_size
-        safe = pos.clamp(min=0, max=self.block_tables.shape[1] * self.page_size - 1)
-        page = self.block_tables.to(torch.int64).gather(1, safe // self.page_size)
-        self._step_page = torch.where(is_pad, self.cache.num_pages, page)
-        self._step_slot = torch.where(is_pad, i[None, :] % self.page_size, safe % self.page_size)
-
     def _write(self, pool: torch.Tensor, states: torch.Tensor, scale: float | None = None) -> None:
-        page, slot = self._step_page, self._step_slot
+        """Scatter the step's new tokens ``states [B, H, S, D]`` into ``pool`` at the step's
+        (page, slot) of each token."""
+        page, slot = self._state("page"), self._state("slot")
         # fp8 K/V, or fp8 index keys with one scale: e4m3 codes of states / scale, saturated
         # at e4m3's largest value.
         if scale is not None:
@@ -171,23 +225,10 @@ class M3PagedLayer(CacheLayerMixin):
             raise ValueError(
                 f"value_states: expected the shape of key_states {tuple(key_states.shape)}, got {tuple(value_states.shape)}"
             )
-        s = key_states.shape[2]
-        self.cache._reserve(self, s)
-        lead, real = new_token_layout(
-            step_mask(), key_states.shape[0], self.slots_used + s, s, self.seq_lens.device
-        )
-        self.seq_lens += self.pending
-        self._locate(s, lead)
+        self.cache._join_step(self, key_states.shape[2])
         fp8 = self.cache.kv_cache_dtype is not None
         self._write(self.keys, key_states, self.cache.k_scale if fp8 else None)
         self._write(self.values, value_states, self.cache.v_scale if fp8 else None)
-        self.step_len = s
-        # Rows are right aligned on this length: real token i of row b sits at
-        # seq_lens + i - lead, trailing pads after the real tokens (overwritten next step).
-        self.step_kv_lens.copy_((self.seq_lens + s - lead).clamp(max=self.block_tables.shape[1] * self.page_size))
-        self.pending.copy_(real)
-        self.index_written = False
-        self.slots_used += s
         return self.keys, self.values
 
     def kv_scale_args(self) -> dict:
@@ -202,14 +243,15 @@ class M3PagedLayer(CacheLayerMixin):
         """Write this step's index keys [B, 1, S, Di] next to the K/V written by :meth:`update`."""
         if not self.is_sparse:
             raise ValueError(f"layer {self.layer_idx} is not a sparse layer: it keeps no index keys")
-        if not self.is_initialized:
+        step = self.cache._step
+        if not self.is_initialized or step is None or not step["updated"][self.layer_idx]:
             raise RuntimeError("update_index called before update: K/V of the step must be written first")
         self._check_new("index_keys", index_keys, 1, self.index_keys.shape[2])
-        if index_keys.shape[2] != self.step_len:
+        if index_keys.shape[2] != step["q_len"]:
             raise ValueError(
-                f"index_keys: expected {self.step_len} new tokens (the K/V of this step), got {index_keys.shape[2]}"
+                f"index_keys: expected {step['q_len']} new tokens (the K/V of this step), got {index_keys.shape[2]}"
             )
-        if self.index_written:
+        if step["indexed"][self.layer_idx]:
             raise RuntimeError(f"index keys of layer {self.layer_idx} were already written for this step")
         if self.index_scales is None:
             self._write(self.index_keys, index_keys)
@@ -218,20 +260,24 @@ class M3PagedLayer(CacheLayerMixin):
         else:
             codes, scales = quantize_index_keys(index_keys[:, 0])
             # Same (page, slot) for codes and scales: leading pads land on the scratch page for both.
-            self.index_keys.index_put_((self._step_page, self._step_slot), codes)
-            self.index_scales.index_put_((self._step_page, self._step_slot), scales)
-        self.index_written = True
+            page, slot = self._state("page"), self._state("slot")
+            self.index_keys.index_put_((page, slot), codes)
+            self.index_scales.index_put_((page, slot), scales)
+        step["indexed"][self.layer_idx] = True
         return self.index_keys
 
     # -- queries -------------------------------------------------------------------------
-    def get_seq_length(self) -> int:
-        return self.slots_used
+    def get_seq_length(self) -> int | torch.Tensor:
+        return self.cache.get_seq_length()
 
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots_used + query_length, 0
+        # The m3_sparse mask function hands on the padding of the step's new tokens only: the
+        # history needs no mask (pads are never stored), and a width that does not grow with
+        # the history keeps the compiled decode step's inputs at one shape.
+        return query_length, 0
 
     def committed_lengths(self) -> torch.Tensor:
         """Tokens stored per sequence once the current step is committed. [B] int32 on the device."""
@@ -247,11 +293,6 @@ class M3PagedLayer(CacheLayerMixin):
                 self.index_keys.zero_()
             if self.index_scales is not None and self.cache.index_k_scale is None:
                 self.index_scales.zero_()
-            self.seq_lens.zero_()
-            self.step_kv_lens.zero_()
-            self.pending.zero_()
-        self.step_len = 0
-        self.slots_used = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("M3PagedCache does not support crop(); build a new cache or call reset()")
@@ -402,7 +443,14 @@ class M3PagedCache(Cache):
             self.num_pages = self._check_block_tables(block_tables, num_pages)
             block_tables = block_tables.to(torch.int32)
         self.block_tables = block_tables if self.device is None else block_tables.to(self.device)
+        if self.device is not None:
+            _mark_static(self.block_tables)
         self._block_table_copies: dict[torch.device, torch.Tensor] = {}
+        # Whether generate() may compile the decode step (see is_compileable).
+        self.compileable = True
+        self._lengths: dict | None = None  # the length buffers (begin_step)
+        self._step: dict | None = None  # the current step (begin_step)
+        self._host_slots: int | None = 0  # slots_used on the host; None after compiled steps
         layers = [
             M3PagedLayer(self, i, layer_types[i] == SPARSE_LAYER_TYPE) for i in range(text.num_hidden_layers)
         ]
@@ -433,6 +481,7 @@ class M3PagedCache(Cache):
         # placed elsewhere (device_map) reads its own copy, see block_tables_on.
         if self.block_tables.device != device and not any(layer.is_initialized for layer in self.layers):
             self.block_tables = self.block_tables.to(device)
+            _mark_static(self.block_tables)
 
     def block_tables_on(self, device: torch.device) -> torch.Tensor:
         """The block tables on ``device`` (a copy made once per device; they never change)."""
@@ -440,21 +489,171 @@ class M3PagedCache(Cache):
             return self.block_tables
         if device not in self._block_table_copies:
             self._block_table_copies[device] = self.block_tables.to(device)
+            _mark_static(self._block_table_copies[device])
         return self._block_table_copies[device]
 
-    def _reserve(self, layer: M3PagedLayer, new_tokens: int) -> None:
-        impl = getattr(self._text_config, "_attn_implementation", None)
-        if not uses_m3_sparse(self._text_config):
+    # -- one forward pass ----------------------------------------------------------------
+    # Lengths live in fixed device buffers on the cache's first device (``_lengths``), updated
+    # in place, so a step captured in a CUDA graph keeps advancing them on every replay. A
+    # step (``_step``) holds what every layer's write needs: each new token's (page, slot)
+    # and the step's cu_seqlens, computed once per forward pass, with copies for layers on
+    # other devices (device_map) made on first use.
+    _STATE = ("seq_lens", "step_kv_lens", "pending", "slots")
+
+    def begin_step(self, attention_mask: torch.Tensor | None, q_len: int, device=None) -> None:
+        """Begin a forward pass of ``q_len`` new tokens per sequence: commit the last step,
+        check capacity, and place the new tokens. ``attention_mask`` is the pass's 2-D padding
+        mask (``[B, >= q_len]``, the new tokens last; ``None``: no padding). Called by the
+        model's ``create_causal_mask`` (wrapped by this package) before the layers run; a
+        layer updated outside a model forward begins a step with no padding by itself.
+
+        Eager calls check capacity on the host and raise before anything changes; a compiled
+        step does not (see :meth:`check_generation`) and sends positions past the block table
+        to the scratch page."""
+        if device is None:
+            device = attention_mask.device if attention_mask is not None else self.block_tables.device
+        if not torch.compiler.is_compiling():
+            self._reserve(q_len)
+        lead, real = new_token_layout(attention_mask, self.max_batch, q_len, device)
+        n = self._lengths_on(device)
+        device = n["seq_lens"].device
+        lead, real = lead.to(device), real.to(device)
+        seq = n["seq_lens"]
+        seq += n["pending"]  # commit the last step (its trailing pads are overwritten now)
+        tables = self.block_tables_on(device)
+        capacity = tables.shape[1] * self.page_size
+        # Token i of row b goes to position seq[b] + i - lead[b]; leading pads and positions
+        # past the table (a compiled step is not checked on the host) go to the scratch page.
+        i = torch.arange(q_len, device=device)
+        pos = seq.to(torch.int64)[:, None] + i[None, :] - lead[:, None]  # [B, S]
+        scratch = (i[None, :] < lead[:, None]) | (pos >= capacity)
+        safe = pos.clamp(min=0, max=capacity - 1)
+        page = torch.where(scratch, self.num_pages, tables.to(torch.int64).gather(1, safe // self.page_size))
+        slot = torch.where(scratch, i[None, :] % self.page_size, safe % self.page_size)
+        # Rows are right aligned on this length: real token i of row b sits at seq + i - lead,
+        # trailing pads after the real tokens.
+        n["step_kv_lens"].copy_((seq + q_len - lead).clamp(max=capacity))
+        n["pending"].copy_(real)
+        n["slots"].add_(q_len)
+        # A traced step must not read the host count (the graph would keep its value): it
+        # forgets it, and the next eager read copies the device count back.
+        self._host_slots = None if torch.compiler.is_compiling() else self._host_slots + q_len
+        cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
+        layers = len(self.layers)
+        self._step = {
+            "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {},
+            "updated": [False] * layers, "indexed": [False] * layers,
+        }
+
+    def _lengths_on(self, device: torch.device) -> dict:
+        """The length buffers, allocated on ``device`` by the first step."""
+        n = self._lengths
+        if n is None:
+            self._place(device)
+            seq = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+            n = {"seq_lens": seq, "step_kv_lens": torch.zeros_like(seq), "pending": torch.zeros_like(seq),
+                 "slots": torch.zeros((), dtype=torch.int64, device=device)}
+            _mark_static(*n.values())
+            self._lengths = n
+        return n
+
+    def _join_step(self, layer: M3PagedLayer, q_len: int) -> None:
+        """``layer`` writes its K/V for the current step (a new step when there is none
+        for it: the first update outside a model forward, or the layer's second one)."""
+        step = self._step
+        if step is None or step["q_len"] != q_len or step["updated"][layer.layer_idx]:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "M3PagedCache: a compiled step must begin with cache.begin_step() (the model's forward does so)"
+                )
+            self.begin_step(None, q_len, device=layer.keys.device)
+            step = self._step
+        step["updated"][layer.layer_idx] = True
+
+    def state_on(self, device: torch.device | None, name: str) -> torch.Tensor | None:
+        """A length buffer (``seq_lens``, ``step_kv_lens``, ``pending``, ``slots``) or a value of
+        the current step (``page``, ``slot``, ``cu``) on ``device`` (None: the cache's own);
+        None before the first step."""
+        n = self._lengths
+        if n is None:
+            return None
+        step = self._step
+        value = n[name] if name in self._STATE else step[name] if step is not None else None
+        if value is None or device is None or value.device == device:
+            return value
+        if step is None:
+            return value.to(device)
+        # Another device (device_map): one copy per step.
+        copies = step["copies"]
+        if (device, name) not in copies:
+            copies[(device, name)] = value.to(device)
+        return copies[(device, name)]
+
+    @property
+    def slots_used(self) -> int:
+        """Token slots fed per sequence so far (prompt, padding and generated tokens): every
+        sequence's length is at most this. A host int; after compiled steps, which advance
+        only the device count, the first read copies it back (one synchronization)."""
+        if self._host_slots is None:
+            self._host_slots = int(self._lengths["slots"])
+        return self._host_slots
+
+    def layer_for(self, layer_idx: int, config, is_sparse: bool) -> M3PagedLayer:
+        """The layer that serves attention layer ``layer_idx`` of a model with ``config``
+        (its text config), after checking that the cache was built for such a model."""
+        impl = getattr(config, "_attn_implementation", None)
+        if not uses_m3_sparse(config):
             raise ValueError(
                 f"M3PagedCache holds paged K/V that only attn_implementation='m3_sparse' can read; the model "
-                f"runs {impl!r}. Load it with attn_implementation='m3_sparse' (after import m3_hf_attention), or the m3-sparse hub kernel's attention function."
+                f"runs {impl!r}. Load it with attn_implementation='m3_sparse' (after import m3_hf_attention), or "
+                "the m3-sparse hub kernel's attention function."
             )
-        if layer.slots_used + new_tokens > self.max_cache_len:
+        if layer_idx >= len(self.layers):
             raise ValueError(
-                f"M3PagedCache overflow: layer {layer.layer_idx} holds up to {layer.slots_used} tokens per sequence "
-                f"and {new_tokens} more would exceed max_cache_len={self.max_cache_len}; nothing was written. "
+                f"M3PagedCache was built for a model with {len(self.layers)} layers; this model asks for layer "
+                f"{layer_idx} (num_hidden_layers={getattr(config, 'num_hidden_layers', '?')}). Build the cache from "
+                "this model's config."
+            )
+        layer = self.layers[layer_idx]
+        if layer.is_sparse != is_sparse:
+            kind = lambda sparse: "a sparse (minimax_m3_sparse)" if sparse else "a full-attention"  # noqa: E731
+            raise ValueError(
+                f"M3PagedCache: layer {layer_idx} was built as {kind(layer.is_sparse)} layer, but this model's layer "
+                f"{layer_idx} is {kind(is_sparse)} layer. Build the cache from this model's config."
+            )
+        return layer
+
+    def check_generation(self, total_tokens: int) -> None:
+        """Before ``generate()`` writes anything: the cache must be empty (a new prompt) and
+        hold ``total_tokens`` per sequence (prompt width plus new tokens). Compiled decode
+        steps are not checked one by one; this is their capacity check."""
+        held = self.get_seq_length()
+        if held:
+            raise ValueError(
+                f"M3PagedCache already holds {held} token slots per sequence from earlier calls; generate() starts a "
+                "new prompt on an empty cache. Call cache.reset() first (or build a new cache)."
+            )
+        if total_tokens > self.max_cache_len:
+            raise ValueError(
+                f"M3PagedCache overflow: generate() needs up to {total_tokens} tokens per sequence (prompt and "
+                f"max_new_tokens), more than max_cache_len={self.max_cache_len}; nothing was written. Build the cache "
+                "with a larger max_cache_len."
+            )
+
+    def _reserve(self, new_tokens: int) -> None:
+        if self.slots_used + new_tokens > self.max_cache_len:
+            raise ValueError(
+                f"M3PagedCache overflow: the cache holds up to {self.slots_used} tokens per sequence and "
+                f"{new_tokens} more would exceed max_cache_len={self.max_cache_len}; nothing was written. "
                 "Build the cache with a larger max_cache_len."
             )
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate()`` may compile the decode step and replay it as a CUDA graph
+        (on CUDA, unless ``disable_compile=True``). True unless ``compileable`` was set to
+        False, as generate() does for the cache it builds for a model spread over devices."""
+        return self.compileable
 
     def layer(self, layer_idx: int) -> M3PagedLayer:
         return self.layers[layer_idx]
@@ -463,8 +662,22 @@ class M3PagedCache(Cache):
         """Tokens stored per sequence (device tensor [batch], int32)."""
         return self.layers[layer_idx].committed_lengths()
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length()
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """Token slots fed per sequence (every layer holds the same). While ``torch.compile``
+        traces a step: the device count (a 0-d tensor, as transformers' ``StaticLayer``
+        returns), so the graph does not depend on a host value that changes every step."""
+        if torch.compiler.is_compiling():
+            return self._lengths["slots"] if self._lengths is not None else 0
+        return self.slots_used
+
+    def reset(self) -> None:
+        """Empty the cache (every page zeroed, every length 0) for a new prompt."""
+        super().reset()
+        if self._lengths is not None:
+            for t in self._lengths.values():
+                t.zero_()
+        self._step = None
+        self._host_slots = 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self._max_cache_len

@@ -2,9 +2,10 @@
 
 Causality and block selection live in the kernels, so the mask function hands on the 2-D
 padding mask unchanged (never a 4-D mask). The paged cache and the indexer run before the
-attention function and see no mask argument: the mask function records the forward pass's
-padding mask (``set_step_mask``), and they read it (``step_mask``) to learn how many of each
-sequence's new tokens are real.
+attention function and get no mask argument: the model's ``create_causal_mask``, wrapped
+here, hands the padding mask of each forward pass to an ``M3PagedCache``
+(``begin_step``). With any other cache, or none, it records the mask per thread
+(``set_step_mask``) for the eager path that pages a contiguous history.
 """
 
 from __future__ import annotations
@@ -15,66 +16,25 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from ..core.validate import debug_enabled
-
-ATTN_IMPLEMENTATION = "m3_sparse"
+from .cache import M3PagedCache, new_token_layout
+from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 
 # A second copy of this module (another kernel build loaded side by side) must not wrap the
 # patched function again: the original is kept on the patch.
 _ORIGINAL_CREATE_CAUSAL_MASK = getattr(m3.create_causal_mask, "m3_sparse_original", m3.create_causal_mask)
 
-
-def uses_m3_sparse(config) -> bool:
-    """Whether ``config`` runs m3_sparse: under its registered name, or under a hub string
-    (``"org/m3-sparse:m3_sparse_attention"``) that transformers mapped to this package's
-    attention function."""
-    impl = getattr(config, "_attn_implementation", None)
-    if impl == ATTN_IMPLEMENTATION:
-        return True
-    if not isinstance(impl, str) or "/" not in impl:
-        return False
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return bool(getattr(ALL_ATTENTION_FUNCTIONS.get(impl), "is_m3_sparse_attention", False))
-
-
-# The padding mask of the forward pass being run, per thread. (A side channel: the cache and
-# the indexer get no mask argument from transformers.)
+# The padding mask of the forward pass being run without a paged cache, per thread.
 _STEP = threading.local()
 
 
 def set_step_mask(mask: torch.Tensor | None) -> None:
-    """Record the 2-D padding mask of the forward pass being run (set by the m3_sparse
-    mask function, which transformers calls once per forward before the layers)."""
+    """Record the 2-D padding mask of the forward pass being run without an
+    ``M3PagedCache`` (set by the wrapped ``create_causal_mask`` before the layers)."""
     _STEP.mask = mask
 
 
 def step_mask() -> torch.Tensor | None:
     return getattr(_STEP, "mask", None)
-
-
-def new_token_layout(mask: torch.Tensor | None, batch: int, total: int, q_len: int, device):
-    """(leading pads, real tokens) among each sequence's ``q_len`` new tokens, both [B] int64.
-
-    The new tokens of a row must be ``[pad]*lead + [real]*n + [pad]*rest``: left and
-    right padding both work; a pad between real tokens is rejected (checked where
-    reading the mask is free: on the CPU or with ``M3_SPARSE_DEBUG=1``).
-    """
-    if mask is None or tuple(mask.shape) != (batch, total):
-        full = torch.full((batch,), q_len, dtype=torch.int64, device=device)
-        return torch.zeros_like(full), full
-    new = mask[:, -q_len:].to(device=device, dtype=torch.bool)
-    n = new.sum(-1)
-    lead = torch.where(n > 0, new.to(torch.int8).argmax(-1), q_len).to(torch.int64)
-    if new.device.type == "cpu" or debug_enabled():
-        idx = torch.arange(q_len, device=new.device)
-        expected = (idx[None, :] >= lead[:, None]) & (idx[None, :] < (lead + n)[:, None])
-        if not bool((expected == new).all()):
-            raise ValueError(
-                "M3PagedCache: the new tokens of a row have padding between real tokens; expected left or right "
-                "padding only"
-            )
-    return lead, n
 
 
 def create_causal_mask(*args, **kwargs):
@@ -88,9 +48,17 @@ def create_causal_mask(*args, **kwargs):
     """
     config = kwargs.get("config", args[0] if args else None)
     impl = getattr(config, "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION and uses_m3_sparse(config):
-        if ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not m3_sparse_mask:
+    if uses_m3_sparse(config):
+        if impl != ATTN_IMPLEMENTATION and ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not m3_sparse_mask:
             AttentionMaskInterface.register(impl, m3_sparse_mask)
+        mask = kwargs.get("attention_mask")
+        mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, M3PagedCache):
+            embeds = kwargs.get("inputs_embeds", args[1] if len(args) > 1 else None)
+            cache.begin_step(mask, embeds.shape[1], device=embeds.device)
+        else:
+            set_step_mask(None if mask is None else mask.to(torch.bool))
     return _ORIGINAL_CREATE_CAUSAL_MASK(*args, **kwargs)
 
 
@@ -116,6 +84,4 @@ def m3_sparse_mask(
             "m3_sparse supports plain causal masks with padding; packed sequences (position_ids restarting "
             "without an attention mask) and custom mask overlays are not supported. Pad the batch instead."
         )
-    mask = None if attention_mask is None else attention_mask.to(torch.bool)
-    set_step_mask(mask)
-    return mask
+    return None if attention_mask is None else attention_mask.to(torch.bool)
