@@ -883,6 +883,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     env = environment(args)
     earlier = load_baseline(args.baseline)
+    common.start_profiler_early(args.device)
     cudnn = cudnn_probe(args.device)
     log(f"bench_generate: {env}")
     log(f"cuDNN: {cudnn}")

@@ -753,6 +753,16 @@ def _is_launch(name: str) -> bool:
     return "LaunchKernel" in name or "LaunchCooperativeKernel" in name or _is_graph_launch(name)
 
 
+def start_profiler_early(device: torch.device) -> None:
+    """One empty profiler session on ``device``'s process before any CUDA graph is captured:
+    the profiler shows the kernels inside a graph only when its tracing was set up before
+    the graph was captured."""
+    if device.type != "cuda":
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]):
+        torch.cuda.synchronize(device)
+
+
 class StepProfiler:
     """A logits processor (generate() calls it once per generated token, on the host, after
     the forward that produced the token's logits) that runs ``torch.profiler`` over the last
