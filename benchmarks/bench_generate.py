@@ -1,57 +1,91 @@
 #!/usr/bin/env python3
-"""End-to-end ``generate()`` speed of an M3-shaped random model: time to first token
-(prefill) and decode tokens/s, ``m3_sparse`` against transformers' ``sdpa`` path of the
-same model and against a dense model of the same shapes.
+"""End-to-end ``generate()`` of an M3-shaped random model, each configuration run the way a
+user gets it by default, with an eager row beside it: time to first token (TTFT), decode
+tokens/s, and per decode step the host time, the GPU kernel time and the kernel launches.
 
 Model: random weights (seed ``--seed``), attention of the real M3 (Hq 64, Hkv 4, D 128,
-4 index heads of dim 128, index block 128, top-16, one local block), a few layers whose
-pattern ``--layers`` mixes sparse (``s``) and full-attention (``f``) layers, a small
-dense MLP on every layer and a small vocabulary; bf16 on CUDA.
+4 index heads of dim 128, index block 128, top-16, one local block), layers whose pattern
+(``--layers``, comma-separated patterns, one model each) mixes sparse (``s``) and
+full-attention (``f``) layers, a small dense MLP on every layer and a small vocabulary;
+bf16 on CUDA.
 
 Configurations (``--configs``):
 
-* ``dense``: the same weights with every layer turned full attention (the indexers are
-  dropped), ``attn_implementation="sdpa"`` with cuDNN first in the SDPA backend
-  priority, ``cache_implementation="static"``. This is the baseline of the speedup
-  columns.
-* ``m3_sparse``: ``attn_implementation="m3_sparse"`` with the default ``M3PagedCache``
-  of generate() and the default dispatch (``M3_SPARSE_IMPL=auto``, set for the cell so
-  an inherited value cannot change what the row measures). On CUDA every op runs a
-  Triton kernel: the index top-k, the sparse layers' ``sparse_attention`` (the decode
-  kernel while a sequence brings at most dispatch.decode_max_queries() query rows (96 on
-  the H200 with M3's shapes), so every decode step; KV-outer
-  for the longer prefills) and the full-attention layers' ``dense_paged_attention``
-  (also taken by a sparse layer while its history is so short that every block is
-  selected). On the CPU the same dispatch runs the torch reference code.
-* ``sdpa``: transformers' own M3 path on the same model (``attn_implementation="sdpa"``,
-  its default dynamic cache), which expands the block selection into a dense
-  ``[batch, Hq, queries, keys]`` mask; sizes whose mask cannot fit in the free GPU memory
-  are skipped (the estimate is printed), and an out-of-memory error is reported as OOM.
+* ``dense``: the same weights with every layer full attention (the indexers dropped),
+  ``attn_implementation="sdpa"`` with cuDNN first in the SDPA backend priority, and a
+  ``StaticCache`` of prompt + new tokens passed to generate() (what
+  ``cache_implementation="static"`` builds on a first call; generate() would keep the largest
+  size of earlier calls instead, which would give a small size the cache of a large one).
+  generate() compiles its decode step as it does by default for a compileable cache on CUDA
+  (``torch.compile`` with its ``CompileConfig``: inductor, CUDA graphs). The baseline of the
+  speedup columns.
+* ``dense-eager``: the same with ``disable_compile=True``.
+* ``m3_sparse``: ``attn_implementation="m3_sparse"`` with generate()'s default
+  ``M3PagedCache`` and dispatch (``M3_SPARSE_IMPL=auto``, set for the cell), and no
+  ``disable_compile``: generate() compiles the decode step when the cache says it is
+  compileable, else runs it eagerly. On CUDA every op runs a Triton kernel; on the CPU the
+  same dispatch runs the torch reference code.
+* ``m3_sparse-eager``: the same with ``disable_compile=True``.
+* ``sdpa`` (not in the default list): transformers' own M3 path on the same model
+  (``attn_implementation="sdpa"``, its dynamic cache, which generate() never compiles); it
+  expands the block selection into a dense ``[batch, Hq, queries, keys]`` mask.
 
-Every configuration runs eagerly: generate() is given ``disable_compile=True``, since it
-would otherwise ``torch.compile`` the decode of any compileable cache (the dense model's
-static cache) by itself; ``--compile`` leaves that choice to generate().
+Which decode ran is measured, not assumed: the ``decode mode`` column says ``eager`` when
+generate() never called the compiled forward it asks the model for
+(``common.CompiledCalls``), ``compiled`` when it did, and ``graphs`` when the profile of its
+steps also shows CUDA-graph launches. Before each compiled row ``torch.compiler.reset()``
+clears what earlier rows compiled (each size is a new static shape, and the compiler's
+cache of a code object holds a bounded number of them).
 
-Timing: for each (configuration, size) one warm-up generate() of ``--warmup-tokens`` new
-tokens (Triton compiles, cuDNN plans), then ``--reps`` measured generate() calls of
-``--new-tokens`` tokens, greedy, with ``min_new_tokens = max_new_tokens`` and the pad id
-suppressed so every row generates exactly that many tokens. A streamer takes a timestamp
-(after ``torch.cuda.synchronize()``) at each generated token: TTFT is the time from the
-call of generate() to the first token (prefill included, plus generate()'s own setup and
-cache allocation), decode is (last stamp - first stamp) / (new tokens - 1) per step, and
-decode tokens/s counts every row of the batch. Medians over the repetitions. Peak memory is
-``torch.cuda.max_memory_allocated`` during the measured call (model weights included).
+Timing of a cell: a warm-up generate() with the same arguments (Triton compiles, cuDNN
+plans, torch.compile and CUDA-graph recording); it is left out for an eager row that follows
+its compiled twin at the same size (same model and prefill: the kernels are warm). Then
+``--reps`` measured generate() calls of ``--new-tokens`` tokens each, greedy,
+``min_new_tokens = max_new_tokens`` and the pad id suppressed so every row generates that
+many. A streamer takes a timestamp (after ``torch.cuda.synchronize()``) at each token: TTFT
+is the time from the call to the first token (prefill, generate()'s setup and the cache
+allocation included); the decode step is the median of the intervals between tokens over the
+steps before the profiled ones (a median, so that a one-off first step, such as a graph
+re-recorded for a new cache, does not count); decode tokens/s counts every row of the
+batch. Medians over the repetitions. Peak memory: ``torch.cuda.max_memory_allocated``
+during the measured calls, the weights of both models included.
 
-Outputs, in ``--out`` (default ``$OUT``, else ./out): ``bench_generate.md`` (the table and
-the setup), ``bench_generate.json`` (result rows: TTFT and decode step of every cell,
-rewritten after each cell) and ``generate_speedup.png`` (speedup over dense against context
-length; skipped with a message when matplotlib is missing). The markdown table is printed
-last.
+Profile (the last ``--profile-steps`` decode steps of the last measured call, see
+``common.StepProfiler`` and ``common.step_profile``): each step is a window from the previous
+token to its own, the GPU drained at both ends, profiled with ``torch.profiler`` (CPU and
+CUDA activity). Per step: host ms (the window's wall time less the time in runtime calls
+that wait for the GPU: what the host spends issuing the step, including generate()'s own
+work and a few microseconds of profiler overhead per op), GPU ms (summed kernel durations,
+kernels inside CUDA graphs included), launches (kernel launches plus graph launches, one
+each) and kernels (kernels run, each kernel of a replayed graph counted). Profiling the tail
+of a measured call rather than a separate generate() costs no extra prefill, and the
+windows need no markers inside transformers: a logits processor runs once per token.
 
-    python3 benchmarks/bench_generate.py                      # the H200 run
-    python3 benchmarks/bench_generate.py --sizes 16k,128k --new-tokens 64 --skip-sdpa
-    python3 benchmarks/bench_generate.py --configs dense,m3_sparse  # no sdpa rows
-    python3 benchmarks/bench_generate.py --quick              # tiny CPU smoke run
+Sizes (``--sizes``): ``N`` or ``BxN`` (B rows of N tokens). A cell whose estimated memory
+(``memory_need``: the cache, plus the larger of the prefill's transient tensors and, for the
+dense twin's decode, its K/V repeated to Hq heads) exceeds ``--mem-frac`` of the free GPU
+memory is skipped with the estimate printed; an out-of-memory error is reported as OOM and
+the run goes on.
+
+Cost on an H200 (estimated from earlier runs, not yet measured as a whole): the decode steps
+cost little (``--new-tokens`` 20 keeps them to seconds per cell); prefills dominate, two per
+compiled row and one per eager row after its twin, and so does torch.compile, about 10-40 s
+per compiled row. The default sweep (two models, six sizes, four configurations) should take
+20-30 minutes, 8 of them the 12-layer model at 512K (one prefill of its dense twin there is
+about 110 s); the other cells take seconds plus their compilation. ``--time-limit-s`` stops
+starting cells after a budget; split the sweep over runs with ``--layers`` / ``--sizes`` /
+``--configs``, and give a run without dense rows an earlier run's JSON as ``--baseline``.
+
+Outputs, in ``--out`` (default ``$OUT``, else ./out): ``bench_generate.md`` (setup and
+table), ``bench_generate.json`` (two result rows per cell, TTFT and decode step, with the
+profile figures; rewritten after each cell), ``generate_speedup.png`` (speedup over the
+dense row against context length, per model; skipped with a message when matplotlib is
+missing) and ``bench_generate.log``. The markdown table is printed last.
+
+    python3 benchmarks/bench_generate.py                              # the H200 sweep
+    python3 benchmarks/bench_generate.py --layers sfs --sizes 8k,32k   # a subset
+    python3 benchmarks/bench_generate.py --configs m3_sparse,m3_sparse-eager --baseline out/bench_generate.json
+    python3 benchmarks/bench_generate.py --quick                      # tiny CPU smoke run
 """
 
 from __future__ import annotations
@@ -59,6 +93,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import platform
 import statistics
 import sys
@@ -75,6 +110,7 @@ import torch  # noqa: E402
 
 import m3_hf_attention  # noqa: E402,F401  (registers attn_implementation="m3_sparse")
 import transformers  # noqa: E402
+from transformers import LogitsProcessorList, StaticCache  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig  # noqa: E402
 
@@ -84,14 +120,33 @@ except ImportError:  # tqdm normally comes with huggingface_hub
     tqdm = None
 
 PAD, BOS, EOS = 0, 1, 2
-CONFIGS = {
-    "dense": "dense model (every layer full attention, same weights without the indexers), sdpa with cuDNN first, "
-    "static cache",
-    "m3_sparse": "m3_sparse, M3PagedCache, default dispatch (M3_SPARSE_IMPL=auto): on CUDA every op on Triton "
-    "(index top-k; sparse_attention = decode kernel up to decode_max_queries() query rows per sequence, else KV-outer; dense kernel "
-    "in the full-attention layers)",
-    "sdpa": "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache",
-}
+SPARSE, FULL = "minimax_m3_sparse", "full_attention"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str  # "dense" (the dense twin) or "sparse"
+    attn: str  # attn_implementation
+    eager: bool  # generate(disable_compile=True)
+    what: str
+
+
+CONFIGS = {c.name: c for c in (
+    Config("dense", "dense", "sdpa", False,
+           "dense twin (every layer full attention, same weights without the indexers), sdpa with cuDNN first, "
+           "StaticCache, decode compiled by generate() as it does by default"),
+    Config("dense-eager", "dense", "sdpa", True, "the dense row with disable_compile=True"),
+    Config("m3_sparse", "sparse", "m3_sparse", False,
+           "m3_sparse, generate()'s default M3PagedCache and dispatch (M3_SPARSE_IMPL=auto; on CUDA every op on "
+           "Triton), no disable_compile: compiled when the cache is compileable"),
+    Config("m3_sparse-eager", "sparse", "m3_sparse", True, "the m3_sparse row with disable_compile=True"),
+    Config("sdpa", "sparse", "sdpa", False,
+           "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache"),
+)}
+DEFAULT_CONFIGS = "dense,dense-eager,m3_sparse,m3_sparse-eager"
+DEFAULT_SIZES = "8k,32k,128k,16x8k,32x32k,512k"
+DEFAULT_LAYERS = "sfs,sssfsssfsssf"
 
 _BAR = None
 
@@ -142,66 +197,77 @@ def parse_sizes(text: str) -> list[Shape]:
 
 
 def parse_layers(text: str) -> list[str]:
-    """'sfs' -> ['minimax_m3_sparse', 'full_attention', 'minimax_m3_sparse']."""
-    kinds = {"s": "minimax_m3_sparse", "f": "full_attention"}
-    if not text or any(c not in kinds for c in text.lower()):
-        raise ValueError(f"expected a pattern of 's' (sparse) and 'f' (full attention) layers, got {text!r}")
-    return [kinds[c] for c in text.lower()]
+    """'sfs,ssf' -> ['sfs', 'ssf'], each a pattern of 's' (sparse) and 'f' (full attention) layers."""
+    patterns = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not patterns or any(c not in "sf" for p in patterns for c in p):
+        raise ValueError(f"expected patterns of 's' (sparse) and 'f' (full attention) layers, got {text!r}")
+    return patterns
+
+
+def layer_types(pattern: str) -> list[str]:
+    return [SPARSE if c == "s" else FULL for c in pattern]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="End-to-end generate() speed: m3_sparse vs transformers sdpa vs a dense cuDNN model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common.common_args(sizes="", sizes_help="prompt sizes, comma separated: N or BxN, k = 1024 "
-                                    "(default 16k,64k,128k,16x8k; --quick: 256,2x128)")],
+                                    f"(default {DEFAULT_SIZES}; --quick: 256,2x128)")],
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes for a CPU smoke run (overrides the model shape)")
-    p.add_argument("--layers", default="sfs", help="layer pattern: s = sparse (MSA) layer, f = full attention")
+    p.add_argument("--layers", default=None,
+                   help=f"comma-separated layer patterns, one model each: s = sparse (MSA) layer, f = full attention "
+                   f"(default {DEFAULT_LAYERS}; --quick: sf)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"which configurations, in this order, from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
     p.add_argument("--new-tokens", type=int, default=None,
-                   help="generated tokens per measured call (default 32; --quick 4)")
-    p.add_argument("--warmup-tokens", type=int, default=3,
-                   help="new tokens of the warm-up call (>= 2 compiles decode too)")
-    p.add_argument("--reps", type=int, default=1, help="measured generate() calls per cell (median)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"which configurations, in this order; from {list(CONFIGS)}")
-    p.add_argument("--skip-sdpa", action="store_true", help="leave out the transformers sdpa configuration")
+                   help="generated tokens per call (default 20; --quick 8); the last --profile-steps of them are "
+                   "profiled, the decode step is timed on the others")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="decode steps profiled at the end of the last measured call (default 4; --quick 2; 0: none)")
+    p.add_argument("--reps", type=int, default=1, help="measured generate() calls per cell (median; default 1)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --quick 64)")
     p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
-    p.add_argument("--sdpa-mem-frac", type=float, default=0.9,
-                   help="skip sdpa where its estimated extra memory exceeds this fraction of the free GPU memory")
-    p.add_argument("--time-limit-s", type=float, default=270.0,
-                   help="start no new cell after this many seconds; the rest is reported as skipped (0: no limit)")
-    p.add_argument("--compile", action="store_true",
-                   help="let generate() torch.compile the decode of a compileable cache (its default behaviour); "
-                   "without it every configuration runs eagerly")
+    p.add_argument("--mem-frac", type=float, default=0.9,
+                   help="skip a cell whose estimated memory exceeds this fraction of the free GPU memory (default 0.9)")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="start no new cell after this many seconds; the rest is reported as skipped (default 0: no limit)")
+    p.add_argument("--baseline", default=None,
+                   help="an earlier run's bench_generate.json: its dense rows are the speedup baseline of the sizes "
+                   "this run has no dense row for")
+    p.add_argument("--keep-traces", action="store_true",
+                   help="keep each cell's profiler trace (chrome JSON) in OUT/traces")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (default 0)")
     args = p.parse_args(argv)
     q = args.quick
     try:
-        args.sizes = parse_sizes(args.sizes or ("256,2x128" if q else "16k,64k,128k,16x8k"))
+        args.sizes = parse_sizes(args.sizes or ("256,2x128" if q else DEFAULT_SIZES))
     except ValueError as exc:
         p.error(f"--sizes: {exc}")
     try:
-        args.layer_types = parse_layers(args.layers)
+        args.patterns = parse_layers(args.layers or ("sf" if q else DEFAULT_LAYERS))
     except ValueError as exc:
         p.error(f"--layers: {exc}")
-    args.new_tokens = args.new_tokens if args.new_tokens is not None else (4 if q else 32)
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else (8 if q else 20)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (2 if q else 4)
     args.hidden = args.hidden or (64 if q else 2048)
     args.mlp = args.mlp or (64 if q else 1024)
     args.vocab = args.vocab or (128 if q else 1024)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS]
-    if bad:
+    if bad or not args.configs:
         p.error(f"--configs: unknown {bad}; expected names from {list(CONFIGS)}")
-    if args.skip_sdpa:
-        args.configs = [c for c in args.configs if c != "sdpa"]
-    if args.new_tokens < 2:
-        p.error(f"--new-tokens: expected >= 2 (one prefill token and at least one decode step), got {args.new_tokens}")
-    if args.warmup_tokens < 1:
-        p.error(f"--warmup-tokens: expected >= 1, got {args.warmup_tokens}")
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps: expected >= 0, got {args.profile_steps}")
+    # At least two timed decode steps before the profiler starts (the step during which it
+    # starts is not timed), and at least one before those.
+    need = args.profile_steps + 4 if args.profile_steps else 3
+    if args.new_tokens < need:
+        p.error(f"--new-tokens: expected >= {need} with --profile-steps {args.profile_steps} (the prefill's token, "
+                f"timed decode steps, the step the profiler starts in, the profiled steps), got {args.new_tokens}")
     if args.reps < 1:
         p.error(f"--reps: expected >= 1, got {args.reps}")
     if args.vocab < 8:
@@ -214,14 +280,14 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------
 # models
 # ---------------------------------------------------------------------------------------
-def text_config(args, layer_types: list[str]) -> MiniMaxM3VLTextConfig:
+def text_config(args, types: list[str]) -> MiniMaxM3VLTextConfig:
     if args.quick:
         attn = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32, rotary_dim=16,
                     index_n_heads=2, index_head_dim=32, index_block_size=16, index_topk_blocks=4)
     else:  # the attention of the real M3
         attn = dict(num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
                     index_n_heads=4, index_head_dim=128, index_block_size=128, index_topk_blocks=16)
-    n = len(layer_types)
+    n = len(types)
     return MiniMaxM3VLTextConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -232,7 +298,7 @@ def text_config(args, layer_types: list[str]) -> MiniMaxM3VLTextConfig:
         num_local_experts=4,
         num_experts_per_tok=2,
         index_local_blocks=1,
-        layer_types=list(layer_types),
+        layer_types=list(types),
         # Dense MLPs only: the MoE block's per-expert loop syncs with the host and would
         # dominate a decode step of so small a model.
         mlp_layer_types=["dense"] * n,
@@ -245,14 +311,14 @@ def text_config(args, layer_types: list[str]) -> MiniMaxM3VLTextConfig:
     )
 
 
-def build_models(args, dtype):
-    """The sparse model and its dense twin (every layer full attention, same weights
-    apart from the indexers, which a full-attention layer does not have)."""
+def build_models(args, pattern: str, dtype) -> dict:
+    """The sparse model of ``pattern`` and its dense twin (every layer full attention, same
+    weights apart from the indexers, which a full-attention layer does not have)."""
     torch.manual_seed(args.seed)
     with torch.device(args.device):
-        sparse = MiniMaxM3VLForCausalLM(text_config(args, args.layer_types))
+        sparse = MiniMaxM3VLForCausalLM(text_config(args, layer_types(pattern)))
         common.randomize_norms(sparse)
-        dense = MiniMaxM3VLForCausalLM(text_config(args, ["full_attention"] * len(args.layer_types)))
+        dense = MiniMaxM3VLForCausalLM(text_config(args, [FULL] * len(pattern)))
     missing, unexpected = dense.load_state_dict(sparse.state_dict(), strict=False)
     if missing or any(".indexer." not in k for k in unexpected):
         raise RuntimeError(f"dense twin: missing {missing}, unexpected {unexpected}")
@@ -261,7 +327,7 @@ def build_models(args, dtype):
         m.generation_config.pad_token_id = PAD
         m.generation_config.eos_token_id = EOS
     dense.set_attn_implementation("sdpa")
-    return sparse, dense
+    return {"sparse": sparse, "dense": dense}
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +355,7 @@ def make_prompt(shape: Shape, vocab: int, seed: int, device) -> tuple[torch.Tens
     return ids.to(device), torch.ones_like(ids, device=device)
 
 
-def generate(model, ids, mask, new_tokens: int, extra: dict, streamer=None):
+def generate(model, ids, mask, new_tokens: int, extra: dict, streamer=None, processors=()):
     return model.generate(
         input_ids=ids,
         attention_mask=mask,
@@ -299,54 +365,95 @@ def generate(model, ids, mask, new_tokens: int, extra: dict, streamer=None):
         pad_token_id=PAD,
         suppress_tokens=[PAD],
         streamer=streamer,
+        logits_processor=LogitsProcessorList(processors),
         **extra,
     )
 
 
-def measure(model, shape: Shape, args, extra: dict, bar_step) -> dict:
-    device = args.device
-    ids, mask = make_prompt(shape, args.vocab, args.seed, device)
-    bar_step("warm-up")
+def call_args(config: Config, model, shape: Shape, args):
+    """generate()'s extra arguments for one call of ``config`` (a fresh cache each call)."""
+    extra = {"disable_compile": True} if config.eager else {}
+    if config.model == "dense":
+        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=shape.context + args.new_tokens)
+    return extra
+
+
+def decode_mode(compiled_calls: int, profile: dict) -> str:
+    if compiled_calls == 0:
+        return "eager"
+    return "graphs" if profile.get("graph_launches") else "compiled"
+
+
+def measured_call(model, config: Config, shape: Shape, args, ids, mask, profiler) -> dict:
+    """One timed generate(): TTFT, the decode step (median and mean over the timed steps,
+    and the first step), the peak, the decode steps run compiled, row 0's first tokens."""
+    device, n = args.device, args.new_tokens
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = StepClock(device)
     sync(device)
-    t = time.perf_counter()
-    out = generate(model, ids, mask, args.warmup_tokens, extra)
+    t0 = time.perf_counter()
+    with common.CompiledCalls(model) as watch:
+        out = generate(model, ids, mask, n, call_args(config, model, shape, args), clock, [profiler] if profiler else ())
     sync(device)
-    warm_s = time.perf_counter() - t
-    del out
-    ttft, step, peak, first_tokens = [], [], [], None
+    new = out[:, ids.shape[1]:]
+    if new.shape[1] != n or len(clock.stamps) != n + 1:
+        raise RuntimeError(f"expected {n} new tokens and {n + 1} streamer stamps, got {new.shape[1]} tokens "
+                           f"and {len(clock.stamps)} stamps")
+    stamps = clock.stamps  # [0]: the prompt; [1 + t]: token t (0: the prefill's)
+    intervals = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # [t - 1]: decode step t
+    # The profiler starts during step n - profile_steps - 1 and is on from the next one.
+    timed = intervals[: n - args.profile_steps - 2] if profiler else intervals
+    return {
+        "ttft": stamps[1] - t0,
+        "step": statistics.median(timed),
+        "mean": statistics.fmean(timed),
+        "first": intervals[0],
+        "peak": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+        "calls": watch.calls,
+        "tokens": new[0, :8].tolist(),
+    }
+
+
+def measure(model, config: Config, shape: Shape, args, warm: bool, trace: Path | None, bar_step) -> dict:
+    """One cell: an optional warm-up call, then ``--reps`` measured calls, the last one
+    profiled over its last ``--profile-steps`` decode steps."""
+    ids, mask = make_prompt(shape, args.vocab, args.seed, args.device)
+    warm_s = None
+    if warm:
+        bar_step("warm-up")
+        sync(args.device)
+        t = time.perf_counter()
+        out = generate(model, ids, mask, args.new_tokens, call_args(config, model, shape, args))
+        sync(args.device)
+        del out
+        warm_s = time.perf_counter() - t
+    calls, profiler = [], None
     for rep in range(args.reps):
         bar_step(f"measure {rep + 1}/{args.reps}")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        clock = StepClock(device)
-        sync(device)
-        t0 = time.perf_counter()
-        out = generate(model, ids, mask, args.new_tokens, extra, streamer=clock)
-        sync(device)
-        new = out[:, ids.shape[1]:]
-        if new.shape[1] != args.new_tokens or len(clock.stamps) != args.new_tokens + 1:
-            raise RuntimeError(
-                f"expected {args.new_tokens} new tokens and {args.new_tokens + 1} streamer stamps, got "
-                f"{new.shape[1]} tokens and {len(clock.stamps)} stamps"
-            )
-        stamps = clock.stamps
-        ttft.append(stamps[1] - t0)
-        step.append((stamps[-1] - stamps[1]) / (args.new_tokens - 1))
-        if device.type == "cuda":
-            peak.append(torch.cuda.max_memory_allocated(device) / GIB)
-        if first_tokens is None:
-            first_tokens = new[0, :8].tolist()
-        del out, new
-    step_s = statistics.median(step)
+        if rep == args.reps - 1 and args.profile_steps > 0:
+            profiler = common.StepProfiler(ids.shape[1], args.new_tokens, args.profile_steps, args.device, trace)
+        calls.append(measured_call(model, config, shape, args, ids, mask, profiler))
+    profile = profiler.summary() if profiler else {}
+
+    def median(key):
+        return statistics.median(c[key] for c in calls)
+
+    compiled = sum(c["calls"] for c in calls)
+    peaks = [c["peak"] for c in calls if c["peak"] is not None]
     return {
-        "status": "ok",
         "warmup_s": warm_s,
-        "ttft_ms": statistics.median(ttft) * 1e3,
-        "ttft_ms_all": [x * 1e3 for x in ttft],
-        "decode_ms_per_step": step_s * 1e3,
-        "decode_tok_s": shape.batch / step_s,
-        "peak_gib": max(peak) if peak else None,
-        "row0_first_tokens": first_tokens,
+        "ttft_ms": median("ttft") * 1e3,
+        "ttft_ms_all": [c["ttft"] * 1e3 for c in calls],
+        "decode_ms_per_step": median("step") * 1e3,
+        "decode_ms_mean": median("mean") * 1e3,
+        "first_decode_step_ms": median("first") * 1e3,
+        "decode_tok_s": shape.batch / median("step"),
+        "peak_gib": max(peaks) if peaks else None,
+        "compiled_calls": compiled,
+        "mode": decode_mode(compiled, profile),
+        "profile": profile,
+        "row0_first_tokens": calls[0]["tokens"],
     }
 
 
@@ -367,7 +474,33 @@ def free_memory(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------
 # what will not fit
 # ---------------------------------------------------------------------------------------
-def sdpa_extra_bytes(cfg: MiniMaxM3VLTextConfig, shape: Shape) -> int:
+def memory_need(config: Config, shape: Shape, cfg: MiniMaxM3VLTextConfig, new_tokens: int, elem: int = 2) -> dict:
+    """Rough bytes a cell needs beyond the models' weights (``elem`` bytes per element):
+
+    * cache: K and V of every layer for prompt + new tokens (and the sparse layers' index
+      keys, ``m3_sparse``);
+    * prefill: about six q-sized tensors per token alive at a layer's peak (q in its
+      projected, rotated and transposed forms, the attention output; measured 95-99 KB per
+      token with M3's shapes at 128K-512K, docs/perf-log/2026-11-29.md);
+    * the dense twin's decode: SDPA with a padding mask gets K/V repeated to Hq heads;
+    * ``sdpa``: transformers' block mask, ``sdpa_mask_bytes``.
+
+    The cache plus the largest transient."""
+    rows = shape.batch * (shape.context + new_tokens)
+    q_elems = cfg.num_attention_heads * cfg.head_dim
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+    sparse_layers = sum(t == SPARSE for t in cfg.layer_types) if config.model == "sparse" else 0
+    need = {
+        "cache": rows * (cfg.num_hidden_layers * kv + sparse_layers * cfg.index_head_dim * elem),
+        "prefill": shape.tokens * 6 * q_elems * elem,
+        "decode": 2 * rows * q_elems * elem if config.model == "dense" else 0,
+        "mask": sdpa_mask_bytes(cfg, shape) if config.name == "sdpa" else 0,
+    }
+    need["total"] = need["cache"] + max(need["prefill"], need["decode"], need["mask"])
+    return need
+
+
+def sdpa_mask_bytes(cfg: MiniMaxM3VLTextConfig, shape: Shape) -> int:
     """Peak extra memory of a sparse layer of transformers' sdpa path at prefill.
 
     ``build_block_mask`` keeps, alive at once, the block-keep and keep masks (bool,
@@ -377,9 +510,20 @@ def sdpa_extra_bytes(cfg: MiniMaxM3VLTextConfig, shape: Shape) -> int:
     ``[B, Hi, S, S]`` score tensors (8 x Hi bytes). The larger of the two counts.
     """
     pairs = shape.batch * shape.context * shape.context
-    mask = (7 * cfg.num_attention_heads + 2) * pairs
-    index = (8 * cfg.index_n_heads + 1) * pairs
-    return max(mask, index)
+    return max((7 * cfg.num_attention_heads + 2) * pairs, (8 * cfg.index_n_heads + 1) * pairs)
+
+
+def plan_skip(config: Config, shape: Shape, args, cfg) -> str | None:
+    if args.device.type != "cuda":
+        return None
+    need = memory_need(config, shape, cfg, args.new_tokens)
+    free_memory(args.device)
+    free, _ = torch.cuda.mem_get_info(args.device)
+    if need["total"] <= args.mem_frac * free:
+        return None
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in need.items() if k != "total" and v)
+    return (f"needs ~{need['total'] / GIB:.0f} GiB (GiB: {parts}; the cache plus the largest transient) > "
+            f"{args.mem_frac:g} x {free / GIB:.0f} GiB free")
 
 
 def cudnn_probe(device: torch.device) -> str:
@@ -421,43 +565,38 @@ def dense_backends(device: torch.device):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class Cell:
+    layers: str
     config: str
     batch: int
     context: int
     label: str
     status: str = "pending"  # ok | OOM | skipped | error
     note: str = ""
+    mode: str | None = None  # eager | compiled | graphs
     ttft_ms: float | None = None
     decode_ms_per_step: float | None = None
     decode_tok_s: float | None = None
+    host_ms: float | None = None
+    gpu_ms: float | None = None
+    launches: float | None = None
+    kernels: float | None = None
     peak_gib: float | None = None
     prefill_speedup: float | None = None
     decode_speedup: float | None = None
     details: dict = field(default_factory=dict)
 
-
-def plan_skip(name: str, shape: Shape, args, cfg) -> str | None:
-    device = args.device
-    if name == "sdpa" and device.type == "cuda":
-        need = sdpa_extra_bytes(cfg, shape)
-        free_memory(device)
-        free, _ = torch.cuda.mem_get_info(device)
-        if need > args.sdpa_mem_frac * free:
-            return (
-                f"needs ~{need / GIB:.0f} GiB for the dense block mask ((7 x Hq + 2) B per (row, query, key) = "
-                f"{7 * cfg.num_attention_heads + 2} x {shape.batch} x {shape.context}^2) > "
-                f"{args.sdpa_mem_frac:g} x {free / GIB:.0f} GiB free"
-            )
-    return None
+    @property
+    def key(self) -> tuple:
+        return self.layers, self.batch, self.context
 
 
-def attempt(model, shape: Shape, args, extra: dict, ctx, bar_step):
+def attempt(model, config: Config, shape: Shape, args, ctx, warm: bool, trace, bar_step):
     """(result, None) or (None, (status, message)); the memory of a failed call is freed."""
     free_memory(args.device)
     failure, result = None, None
     try:
         with ctx, torch.no_grad():
-            result = measure(model, shape, args, extra, bar_step)
+            result = measure(model, config, shape, args, warm, trace, bar_step)
     except Exception as exc:  # noqa: BLE001 - one failing cell must not end the benchmark
         failure = ("OOM" if is_oom(exc) else "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         if failure[0] == "error":
@@ -467,60 +606,79 @@ def attempt(model, shape: Shape, args, extra: dict, ctx, bar_step):
     return result, failure
 
 
-def run_cell(name: str, shape: Shape, models, args, bar_step) -> Cell:
-    sparse, dense = models
-    cell = Cell(name, shape.batch, shape.context, shape.label)
-    cfg = sparse.config
-    skip = plan_skip(name, shape, args, cfg)
+def run_cell(config: Config, shape: Shape, pattern: str, models: dict, args, warm: bool, bar_step) -> Cell:
+    model = models[config.model]
+    cell = Cell(pattern, config.name, shape.batch, shape.context, shape.label)
+    skip = plan_skip(config, shape, args, model.config)
     if skip:
         cell.status, cell.note = "skipped", skip
         return cell
-    if name == "dense":
-        model = dense
-        extra = {"cache_implementation": "static"}
-        ctx = dense_backends(args.device)
-    elif name == "m3_sparse":
-        model = sparse
-        model.set_attn_implementation("m3_sparse")
-        extra = {}
-        ctx = env_var("M3_SPARSE_IMPL", "auto")
-    else:  # sdpa
-        model = sparse
-        model.set_attn_implementation("sdpa")
-        extra = {}
-        ctx = contextlib.nullcontext()
-    if not args.compile:
-        extra["disable_compile"] = True
+    if not config.eager and args.device.type == "cuda":
+        # Each size is a new static shape for the compiler: start from a clean slate rather
+        # than run into its bound on compiled variants of one code object.
+        torch.compiler.reset()
+    if config.model == "sparse":
+        model.set_attn_implementation(config.attn)
+    ctx = dense_backends(args.device) if config.model == "dense" else (
+        env_var("M3_SPARSE_IMPL", "auto") if config.attn == "m3_sparse" else contextlib.nullcontext())
+    trace = args.out / "traces" / f"{pattern}_{config.name}_{shape.label}.json" if args.keep_traces else None
     try:
-        result, failure = attempt(model, shape, args, extra, ctx, bar_step)
-        if name == "dense" and failure is not None and failure[0] == "error" and args.device.type == "cuda":
+        result, failure = attempt(model, config, shape, args, ctx, warm, trace, bar_step)
+        if config.model == "dense" and failure is not None and failure[0] == "error" and args.device.type == "cuda":
             # A backend that accepts a call's shapes but then fails on it must not cost the
             # baseline: run again on torch's own SDPA choice and say so.
             first = failure[1]
-            log(f"dense {shape.label}: {first}; again with the default SDPA backend order")
-            result, failure = attempt(model, shape, args, extra, contextlib.nullcontext(), bar_step)
+            log(f"{config.name} {shape.label}: {first}; again with the default SDPA backend order")
+            result, failure = attempt(model, config, shape, args, contextlib.nullcontext(), True, trace, bar_step)
             if failure is None:
-                result["note"] = f"cuDNN-first failed ({first}); default SDPA backend order"
+                cell.note = f"cuDNN-first failed ({first}); default SDPA backend order"
     finally:
-        if name == "sdpa":
-            sparse.set_attn_implementation("m3_sparse")
+        if config.model == "sparse":
+            model.set_attn_implementation("m3_sparse")
     if failure is not None:
         cell.status, cell.note = failure
         return cell
-    cell.note = result.pop("note", "")
+    prof = result["profile"]
     cell.status = "ok"
-    cell.ttft_ms = result["ttft_ms"]
-    cell.decode_ms_per_step = result["decode_ms_per_step"]
-    cell.decode_tok_s = result["decode_tok_s"]
-    cell.peak_gib = result["peak_gib"]
+    cell.mode = result["mode"]
+    if config.attn == "m3_sparse" and not config.eager and cell.mode == "eager" and args.device.type == "cuda":
+        cell.note = "generate() did not compile the decode step (the cache does not say it is compileable)"
+    for name in ("ttft_ms", "decode_ms_per_step", "decode_tok_s", "peak_gib"):
+        setattr(cell, name, result[name])
+    for name in ("host_ms", "gpu_ms", "launches", "kernels"):
+        setattr(cell, name, prof.get(name))
     cell.details = {k: v for k, v in result.items() if k not in asdict(cell)}
     return cell
 
 
-def fill_speedups(cells: list[Cell]) -> None:
-    base = {(c.batch, c.context): c for c in cells if c.config == "dense" and c.status == "ok"}
+def load_baseline(path: str | None) -> dict:
+    """The ok dense rows of an earlier run's JSON, as cells keyed like ``Cell.key``."""
+    if not path:
+        return {}
+    base = {}
+    for row in json.loads(Path(path).read_text()):
+        m, s = row.get("metrics", {}), row.get("sizes", {})
+        if m.get("config") != "dense" or m.get("status") != "ok" or row.get("ms") is None:
+            continue
+        key = (s["layers"], s["batch"], s["context"])
+        cell = base.setdefault(key, Cell(s["layers"], "dense", s["batch"], s["context"], ""))
+        if m.get("phase") == "ttft":
+            cell.ttft_ms = row["ms"]
+        elif m.get("phase") == "decode":
+            cell.decode_tok_s = m.get("decode_tok_s")
+            cell.decode_ms_per_step = row["ms"]
+    return {k: c for k, c in base.items() if c.ttft_ms and c.decode_tok_s}
+
+
+def baselines(cells: list[Cell], earlier: dict) -> dict:
+    """Each size's dense row: this run's, else the ``--baseline`` run's."""
+    return {**earlier, **{c.key: c for c in cells if c.config == "dense" and c.status == "ok"}}
+
+
+def fill_speedups(cells: list[Cell], earlier: dict) -> None:
+    base = baselines(cells, earlier)
     for c in cells:
-        ref = base.get((c.batch, c.context))
+        ref = base.get(c.key)
         if c.status != "ok" or ref is None:
             continue
         c.prefill_speedup = ref.ttft_ms / c.ttft_ms
@@ -534,19 +692,24 @@ def _f(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def table(cells: list[Cell]) -> str:
     rows = []
     for c in cells:
-        if c.status == "ok":
-            ttft, tok = _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f")
-        else:
-            ttft, tok = c.status, "-"
         note = c.note if len(c.note) <= 90 else c.note[:87] + "..."
-        sp_p = _f(c.prefill_speedup, ".2f") + ("x" if c.prefill_speedup is not None else "")
-        sp_d = _f(c.decode_speedup, ".2f") + ("x" if c.decode_speedup is not None else "")
-        rows.append([c.config, c.label, ttft, tok, sp_p, sp_d, _f(c.peak_gib, ".1f"), note])
-    return common.md_table(["config", "context", "TTFT ms", "decode tok/s", "prefill speedup vs dense",
-                            "decode speedup vs dense", "peak GiB", "note"], rows)
+        if c.status != "ok":
+            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 11 + [note])
+            continue
+        rows.append([c.layers, c.config, c.label, c.mode, _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f"),
+                     _f(c.decode_ms_per_step, ".2f"), _f(c.host_ms, ".2f"), _f(c.gpu_ms, ".2f"),
+                     _f(c.launches, ".0f"), _f(c.kernels, ".0f"), _x(c.prefill_speedup), _x(c.decode_speedup),
+                     _f(c.peak_gib, ".1f"), note])
+    return common.md_table(["layers", "config", "context", "decode mode", "TTFT ms", "decode tok/s", "step ms",
+                            "host ms/step", "GPU ms/step", "launches/step", "kernels/step", "TTFT speedup",
+                            "decode speedup", "peak GiB", "note"], rows)
 
 
 def environment(args) -> dict:
@@ -563,65 +726,75 @@ def environment(args) -> dict:
 
 
 def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
-    kinds = "".join("s" if t == "minimax_m3_sparse" else "f" for t in cfg.layer_types)
     gpu = f"{env['device']} ({env['sms']} SMs, {env['gpu_memory_gib']} GiB)" if "gpu_memory_gib" in env else "cpu"
+    p = args.profile_steps
     return [
         f"- Date {env['date']}; device {gpu}; torch {env['torch']}, triton {env['triton']}, "
         f"transformers {env['transformers']}.",
-        f"- Model: random weights (seed {args.seed}), {len(kinds)} layers `{kinds}` (s = sparse MSA layer, "
-        f"f = full attention); Hq {cfg.num_attention_heads}, Hkv {cfg.num_key_value_heads}, D {cfg.head_dim}, "
-        f"index heads {cfg.index_n_heads} x {cfg.index_head_dim}, block {cfg.index_block_size}, "
+        f"- Models: random weights (seed {args.seed}), layer patterns {', '.join(f'`{x}`' for x in args.patterns)} "
+        f"(s = sparse MSA layer, f = full attention); Hq {cfg.num_attention_heads}, Hkv {cfg.num_key_value_heads}, "
+        f"D {cfg.head_dim}, index heads {cfg.index_n_heads} x {cfg.index_head_dim}, block {cfg.index_block_size}, "
         f"top-{cfg.index_topk_blocks}, local blocks {cfg.index_local_blocks}; hidden {cfg.hidden_size}, dense MLP "
         f"{cfg.dense_intermediate_size}, vocab {cfg.vocab_size}; {str(args.dtype).removeprefix('torch.')}.",
         f"- Greedy generate() of {args.new_tokens} new tokens (min_new_tokens = max_new_tokens, pad suppressed), "
-        f"after one warm-up call of {args.warmup_tokens} tokens per cell; median of {args.reps} call(s). TTFT: "
-        "generate() call to first token (streamer stamp after torch.cuda.synchronize), prefill and generate()'s "
-        "setup included; decode: (last - first token stamp) / (new tokens - 1); decode tok/s counts every row. "
-        "Peak: torch.cuda.max_memory_allocated during the measured call, weights of both models included.",
-        f"- dense: {CONFIGS['dense']}; {cudnn}; decode with the static cache passes a padding mask, so transformers "
-        "repeats K/V to Hq heads and SDPA takes a masked kernel; "
-        + ("generate() may torch.compile decode (--compile)." if args.compile else "no torch.compile (any config)."),
-        *(f"- {name}: {CONFIGS[name]}." for name in args.configs if name != "dense"),
-        "- Speedups: dense TTFT / TTFT and decode tok/s / dense decode tok/s, same size.",
-        *(["- On the CPU every m3_sparse op runs the torch reference: these figures only show that the script runs."]
-          if args.device.type != "cuda" else []),
+        f"median of {args.reps} measured call(s) after a warm-up call (none for an eager row right after its "
+        "compiled twin). TTFT: generate() call to first token (streamer stamp after torch.cuda.synchronize), "
+        "prefill and setup included; step ms: median interval between tokens"
+        + (f" over the steps before the {p} profiled ones" if p else "") + "; decode tok/s counts every row. "
+        "Peak: torch.cuda.max_memory_allocated during the measured calls, weights of both models included.",
+        "- decode mode: eager (generate() did not use its compiled forward), compiled (it did), graphs (compiled, and "
+        "the profile shows CUDA-graph launches). Before each compiled row torch.compiler.reset().",
+        (f"- Per step, from torch.profiler over the last {p} decode steps of the last measured call, the GPU drained "
+         "at each step's ends: host ms = wall time less runtime calls that wait for the GPU; GPU ms = summed kernel "
+         "time (kernels in graphs included); launches = kernel and graph launches; kernels = kernels run."
+         if p else "- No profile (--profile-steps 0)."),
+        f"- SDPA backends of the dense rows: {cudnn}; transformers passes a padding mask at decode with a static "
+        "cache, so SDPA gets K/V repeated to Hq heads and takes a masked kernel.",
+        *(f"- {name}: {CONFIGS[name].what}." for name in args.configs),
+        "- Speedups: over the `dense` row of the same model and size"
+        + (f" (from {args.baseline} where this run has none)" if args.baseline else "")
+        + ": dense TTFT / TTFT, decode tok/s / dense decode tok/s.",
+        *(["- On the CPU every m3_sparse op runs the torch reference and generate() compiles nothing: these figures "
+           "only show that the script runs."] if args.device.type != "cuda" else []),
     ]
 
 
-def write_outputs(args, cfg, env, cudnn, cells, final: bool) -> str:
-    fill_speedups(cells)
+def write_outputs(args, cfg, env, cudnn, cells, earlier, final: bool) -> str:
+    fill_speedups(cells, earlier)
     args.out.mkdir(parents=True, exist_ok=True)
     tab = table(cells)
-    notes = [f"- {c.config} {c.label}: {c.status}: {c.note}" for c in cells if c.note]
-    md = ["# generate() end to end: m3_sparse vs sdpa vs dense", "", *setup_lines(args, cfg, env, cudnn), "", tab]
+    notes = [f"- {c.layers} {c.config} {c.label}: {c.status}: {c.note}" for c in cells if c.note]
+    md = ["# generate() end to end: m3_sparse and a dense twin, default and eager", "",
+          *setup_lines(args, cfg, env, cudnn), "", tab]
     if notes:
         md += ["", "Notes (skips, failures, fallbacks):", "", *notes]
     (args.out / "bench_generate.md").write_text("\n".join(md) + "\n")
-    result_rows(args, cfg, env, cudnn, cells).write()
+    result_rows(args, env, cudnn, cells, earlier).write()
     if final:
         log.write(args.out / "bench_generate.log")
     return tab
 
 
-def result_rows(args, cfg, env, cudnn, cells) -> common.Results:
-    """Two rows per cell, TTFT and the decode step, each against the dense model's."""
+def result_rows(args, env, cudnn, cells, earlier) -> common.Results:
+    """Two rows per cell, TTFT and the decode step (with the profile), each against the
+    dense row of the same model and size."""
     results = common.Results("bench_generate", args.out)
     results.env = env
-    base = {(c.batch, c.context): c for c in cells if c.config == "dense" and c.status == "ok"}
-    layers = "".join("s" if t == "minimax_m3_sparse" else "f" for t in cfg.layer_types)
+    base = baselines(cells, earlier)
     for c in cells:
-        ref = base.get((c.batch, c.context)) if c.config != "dense" else None
-        sizes = {"batch": c.batch, "context": c.context, "new_tokens": args.new_tokens, "layers": layers,
-                 "hidden": cfg.hidden_size, "vocab": cfg.vocab_size}
-        common_metrics = dict(config=c.config, status=c.status, note=c.note, peak_gib=c.peak_gib, cudnn=cudnn,
-                              details=c.details)
-        baseline = "dense model (cuDNN-first SDPA, static cache)" if ref else None
-        results.add(f"{c.config} {c.label}", c.ttft_ms, what=f"{c.config}: generate() time to first token",
+        ref = base.get(c.key) if c.config != "dense" else None
+        sizes = {"batch": c.batch, "context": c.context, "new_tokens": args.new_tokens, "layers": c.layers,
+                 "hidden": args.hidden, "vocab": args.vocab}
+        common_metrics = dict(config=c.config, status=c.status, note=c.note, mode=c.mode, peak_gib=c.peak_gib,
+                              cudnn=cudnn, details=c.details)
+        baseline = "dense twin (cuDNN-first SDPA, static cache, generate()'s default compile)" if ref else None
+        results.add(f"{c.layers} {c.config} {c.label}", c.ttft_ms, what=f"{c.config}: generate() time to first token",
                     sizes=sizes, baseline=baseline, baseline_ms=ref.ttft_ms if ref else None,
-                    speedup=c.prefill_speedup, **common_metrics)
-        results.add(f"{c.config} {c.label}", c.decode_ms_per_step, what=f"{c.config}: generate() decode step",
+                    speedup=c.prefill_speedup, phase="ttft", **common_metrics)
+        results.add(f"{c.layers} {c.config} {c.label}", c.decode_ms_per_step, what=f"{c.config}: generate() decode step",
                     sizes=sizes, baseline=baseline, baseline_ms=ref.decode_ms_per_step if ref else None,
-                    speedup=c.decode_speedup, decode_tok_s=c.decode_tok_s, **common_metrics)
+                    speedup=c.decode_speedup, phase="decode", decode_tok_s=c.decode_tok_s, host_ms=c.host_ms,
+                    gpu_ms=c.gpu_ms, launches=c.launches, kernels=c.kernels, **common_metrics)
     return results
 
 
@@ -633,33 +806,33 @@ def plot(args, cells: list[Cell]) -> str:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"plot skipped: matplotlib is not importable ({exc})"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    markers = {"m3_sparse": "o", "sdpa": "^"}
+    n = len(args.patterns)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 4.2 * n), sharex=True, squeeze=False)
+    markers = {"dense-eager": "s", "m3_sparse": "o", "m3_sparse-eager": "D", "sdpa": "^"}
     plotted = False
-    for ax, key, title in ((axes[0], "prefill_speedup", "prefill (TTFT)"), (axes[1], "decode_speedup", "decode")):
-        ax.axhline(1.0, color="gray", lw=1, ls="--", label="dense (cuDNN SDPA)")
-        for name in args.configs:
-            if name == "dense":
-                continue
-            for batch in sorted({c.batch for c in cells}):
-                pts = sorted((c.context, getattr(c, key)) for c in cells
-                             if c.config == name and c.batch == batch and getattr(c, key) is not None)
-                if not pts:
-                    continue
-                plotted = True
-                xs, ys = zip(*pts)
-                label = name if batch == 1 else f"{name}, batch {batch}"
-                ax.plot(xs, ys, marker=markers.get(name, "x"), ls="-" if batch == 1 else ":", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{title}: speedup over dense")
-        ax.set_xlabel("context tokens per row")
-        ax.grid(True, which="both", alpha=0.3)
-        ticks = sorted({c.context for c in cells})
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([fmt_tokens(t) for t in ticks])
-    axes[0].set_ylabel("speedup (x)")
-    axes[1].legend(fontsize=8, loc="best")
-    fig.suptitle("generate(): m3_sparse vs dense, M3 attention shapes")
+    ticks = sorted({c.context for c in cells})
+    for row, pattern in zip(axes, args.patterns):
+        for ax, key, title in ((row[0], "prefill_speedup", "TTFT"), (row[1], "decode_speedup", "decode")):
+            ax.axhline(1.0, color="gray", lw=1, ls="--", label="dense (generate()'s default)")
+            for name in args.configs:
+                for batch in sorted({c.batch for c in cells}):
+                    pts = sorted((c.context, getattr(c, key)) for c in cells if c.config == name and c.batch == batch
+                                 and c.layers == pattern and c.config != "dense" and getattr(c, key) is not None)
+                    if not pts:
+                        continue
+                    plotted = True
+                    xs, ys = zip(*pts)
+                    label = name if batch == 1 else f"{name}, batch {batch}"
+                    ax.plot(xs, ys, marker=markers.get(name, "x"), ls="-" if batch == 1 else ":", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pattern}: {title} speedup over dense")
+            ax.set_xlabel("context tokens per row")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([fmt_tokens(t) for t in ticks])
+        row[0].set_ylabel("speedup (x)")
+        row[1].legend(fontsize=8, loc="best")
+    fig.suptitle("generate(): m3_sparse vs a dense twin, M3 attention shapes")
     fig.tight_layout()
     path = args.out / "generate_speedup.png"
     fig.savefig(path, dpi=120)
@@ -689,6 +862,19 @@ class _NoBar:
         pass
 
 
+def log_cell(cell: Cell) -> None:
+    head = f"{cell.layers} {cell.config} {cell.label}"
+    if cell.status != "ok":
+        log(f"{head}: {cell.status}: {cell.note}")
+        return
+    warm = cell.details.get("warmup_s")
+    log(f"{head}: {cell.mode}, TTFT {cell.ttft_ms:.1f} ms, decode {cell.decode_ms_per_step:.2f} ms/step "
+        f"({cell.decode_tok_s:.1f} tok/s; first step {cell.details['first_decode_step_ms']:.1f} ms), host "
+        f"{_f(cell.host_ms, '.2f')} ms, GPU {_f(cell.gpu_ms, '.2f')} ms, {_f(cell.launches, '.0f')} launches, "
+        f"{_f(cell.kernels, '.0f')} kernels per step, peak {_f(cell.peak_gib, '.1f')} GiB, "
+        f"warm-up {'none' if warm is None else f'{warm:.1f} s'}, cell {cell.details['cell_s']:.1f} s")
+
+
 def main(argv=None) -> int:
     global _BAR
     args = parse_args(argv)
@@ -696,50 +882,60 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
     env = environment(args)
-    sparse, dense = build_models(args, args.dtype)
-    cfg = sparse.config
+    earlier = load_baseline(args.baseline)
+    common.start_profiler_early(args.device)
     cudnn = cudnn_probe(args.device)
     log(f"bench_generate: {env}")
     log(f"cuDNN: {cudnn}")
-    log(f"configs {args.configs}, sizes {[s.label for s in args.sizes]}, layers {args.layers}, "
-        f"new tokens {args.new_tokens}, output {args.out}")
+    log(f"configs {args.configs}, sizes {[s.label for s in args.sizes]}, layers {args.patterns}, "
+        f"new tokens {args.new_tokens}, profiled steps {args.profile_steps}, output {args.out}")
 
-    plan = [(name, shape) for name in args.configs for shape in args.sizes]
     cells: list[Cell] = []
+    cfg = None
     bar_cls = tqdm if tqdm is not None else _NoBar
     interactive = sys.stderr.isatty()
-    _BAR = bar_cls(total=len(plan), desc="bench_generate", unit="cell", dynamic_ncols=True)
+    _BAR = bar_cls(total=len(args.patterns) * len(args.sizes) * len(args.configs), desc="bench_generate",
+                   unit="cell", dynamic_ncols=True)
     try:
-        for name, shape in plan:
-            elapsed = time.perf_counter() - start
-            if args.time_limit_s > 0 and elapsed > args.time_limit_s:
-                cell = Cell(name, shape.batch, shape.context, shape.label, status="skipped",
-                            note=f"time limit: {elapsed:.0f} s > --time-limit-s {args.time_limit_s:g}")
-            else:
-                def bar_step(what, _n=name, _s=shape):
-                    # Off a terminal every refresh is a new line of the log: show the step on a terminal only.
-                    _BAR.set_postfix_str(f"{_n} {_s.label}: {what}", refresh=interactive)
+        for pattern in args.patterns:
+            models = build_models(args, pattern, args.dtype)
+            cfg = cfg or models["sparse"].config
+            previous = None  # (model, attention, shape) of the last cell that ran
+            for shape in args.sizes:
+                for name in args.configs:
+                    config = CONFIGS[name]
+                    elapsed = time.perf_counter() - start
+                    if args.time_limit_s > 0 and elapsed > args.time_limit_s:
+                        cell = Cell(pattern, name, shape.batch, shape.context, shape.label, status="skipped",
+                                    note=f"time limit: {elapsed:.0f} s > --time-limit-s {args.time_limit_s:g}")
+                    else:
+                        def bar_step(what, _c=f"{pattern} {name} {shape.label}"):
+                            # Off a terminal every refresh is a new line of the log: show the step on a terminal only.
+                            _BAR.set_postfix_str(f"{_c}: {what}", refresh=interactive)
 
-                bar_step("start")
-                t = time.perf_counter()
-                cell = run_cell(name, shape, (sparse, dense), args, bar_step)
-                cell.details["cell_s"] = time.perf_counter() - t
-            cells.append(cell)
-            if cell.status == "ok":
-                log(f"{name} {shape.label}: TTFT {cell.ttft_ms:.1f} ms, decode {cell.decode_ms_per_step:.2f} ms/step "
-                    f"({cell.decode_tok_s:.1f} tok/s), peak {_f(cell.peak_gib, '.1f')} GiB, "
-                    f"warm-up {cell.details.get('warmup_s', 0):.1f} s")
-            else:
-                log(f"{name} {shape.label}: {cell.status}: {cell.note}")
-            _BAR.update(1)
-            write_outputs(args, cfg, env, cudnn, cells, final=False)
+                        bar_step("start")
+                        # An eager row right after its compiled twin at the same size runs
+                        # the same model and prefill: its kernels are warm.
+                        warm = not (config.eager and previous == (config.model, config.attn, shape))
+                        t = time.perf_counter()
+                        cell = run_cell(config, shape, pattern, models, args, warm, bar_step)
+                        cell.details["cell_s"] = time.perf_counter() - t
+                        previous = (config.model, config.attn, shape) if cell.status == "ok" else None
+                    cells.append(cell)
+                    log_cell(cell)
+                    _BAR.update(1)
+                    write_outputs(args, cfg, env, cudnn, cells, earlier, final=False)
+            del models
+            if args.device.type == "cuda":
+                torch.compiler.reset()  # its caches and CUDA graphs hold on to the models
+            free_memory(args.device)
     finally:
         _BAR.close()
         _BAR = None
-    tab = write_outputs(args, cfg, env, cudnn, cells, final=False)
+    tab = write_outputs(args, cfg, env, cudnn, cells, earlier, final=False)
     log(plot(args, cells))
     log(f"total {time.perf_counter() - start:.0f} s; outputs in {args.out}")
-    write_outputs(args, cfg, env, cudnn, cells, final=True)
+    write_outputs(args, cfg, env, cudnn, cells, earlier, final=True)
     print()
     print(tab)
     return 0

@@ -1,5 +1,7 @@
 """What the benchmarks share: the M3 workload (shapes, block selections, paged caches),
-timing, result rows written as JSON, logs and markdown tables, and the common flags.
+timing, result rows written as JSON, logs and markdown tables, the common flags, and the
+instrumentation of generate() (whether it compiled its decode step, a profile per decode
+step).
 
 Import this module before ``triton`` and ``m3_sparse``: it puts ``torch-ext`` (the kernel
 sources) and the repository root (``m3_hf_attention``) on ``sys.path``, and a hidden
@@ -697,3 +699,166 @@ def randomize_norms(model, gen: torch.Generator | None = None) -> None:
                     p.normal_(0.0, 0.5)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+# --------------------------------------------------------------------------- generate() instrumentation
+
+
+class CompiledCalls:
+    """Counts the forward calls that ``model.generate()`` makes through its compiled forward,
+    inside the ``with`` block. generate() asks the model for that forward
+    (``get_compiled_call``, public in transformers) only when it compiles the decode step:
+    a compileable cache on a device it compiles for, and no ``disable_compile``. So
+    ``calls == 0`` after a generate() means its decode ran eagerly."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = 0
+
+    def __enter__(self):
+        ask = self.model.get_compiled_call
+
+        def get_compiled_call(compile_config):
+            forward = ask(compile_config)
+
+            def counted(*args, **kwargs):
+                self.calls += 1
+                return forward(*args, **kwargs)
+
+            return counted
+
+        # An instance attribute, found before the class's method; removed on exit.
+        self.model.get_compiled_call = get_compiled_call
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.get_compiled_call
+        return False
+
+
+STEP_MARK = "generate.decode_step"
+# Runtime / driver calls during which the host waits for the GPU rather than issuing work
+# (a device-to-host copy waits for the stream; so does every synchronize).
+_WAITS = ("Synchronize", "Memcpy")
+
+
+def _is_graph_launch(name: str) -> bool:
+    """cudaGraphLaunch / cuGraphLaunch (a version suffix such as ``_v10000`` allowed)."""
+    return "GraphLaunch" in name
+
+
+def _is_launch(name: str) -> bool:
+    """cudaLaunchKernel(ExC), cuLaunchKernel(Ex) (Triton), cooperative launches, and graph
+    launches, each one launch."""
+    return "LaunchKernel" in name or "LaunchCooperativeKernel" in name or _is_graph_launch(name)
+
+
+def start_profiler_early(device: torch.device) -> None:
+    """One empty profiler session on ``device``'s process before any CUDA graph is captured:
+    the profiler shows the kernels inside a graph only when its tracing was set up before
+    the graph was captured."""
+    if device.type != "cuda":
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]):
+        torch.cuda.synchronize(device)
+
+
+class StepProfiler:
+    """A logits processor (generate() calls it once per generated token, on the host, after
+    the forward that produced the token's logits) that runs ``torch.profiler`` over the last
+    ``steps`` decode steps of a call of ``new_tokens`` tokens, earlier steps being the
+    warm-up (compilation, CUDA-graph recording).
+
+    Each profiled step is one window, marked with ``record_function``: it opens when the
+    previous token has been processed and closes after the step's own token, once the GPU
+    has finished (a synchronize before the window closes, another before the first opens),
+    so it holds everything generate() does for one token (input preparation, the forward,
+    logits processing, the stopping check) and every kernel the step launched starts and
+    ends inside it. ``summary()`` reads the trace (``step_profile``)."""
+
+    def __init__(self, prompt_len: int, new_tokens: int, steps: int, device: torch.device, trace: Path | None = None):
+        if not 1 <= steps <= new_tokens - 2:
+            raise ValueError(f"profile steps: expected 1 to {new_tokens - 2} of {new_tokens} tokens, got {steps}")
+        self.prompt_len, self.new_tokens, self.device, self.trace = prompt_len, new_tokens, device, trace
+        self.first = new_tokens - steps  # token index of the first profiled step
+        self.prof = None
+        self.window = None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _open(self, token: int):
+        self.window = torch.profiler.record_function(f"{STEP_MARK}.{token}")
+        self.window.__enter__()
+
+    def __call__(self, input_ids, scores):
+        token = input_ids.shape[1] - self.prompt_len  # 0: the prefill's token; t >= 1: decode step t's
+        if token == self.first - 1:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self._sync()
+            self.prof.start()
+            self._open(token + 1)
+        elif self.first <= token < self.new_tokens and self.window is not None:
+            self._sync()
+            self.window.__exit__(None, None, None)
+            self.window = None
+            if token + 1 < self.new_tokens:
+                self._open(token + 1)
+            else:
+                self.prof.stop()
+        return scores
+
+    def summary(self) -> dict:
+        """``step_profile`` of the recorded trace (kept at ``trace`` when given)."""
+        if self.prof is None or self.window is not None:
+            raise RuntimeError("the profiled decode steps did not all run")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(self.trace) if self.trace else Path(tmp) / "trace.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text())["traceEvents"]
+        return step_profile(events, gpu=self.device.type == "cuda")
+
+
+def step_profile(events: list[dict], gpu: bool) -> dict:
+    """Per decode step, from a chrome trace of ``StepProfiler`` (its ``STEP_MARK`` windows):
+
+    * host_ms: the window's wall time minus the time spent in runtime / driver calls that
+      wait for the GPU (synchronizes and memory copies: a device-to-host copy waits for the
+      stream): what the host spends issuing the step, profiler overhead included (a few
+      microseconds per op);
+    * gpu_ms: the summed duration of the GPU kernels that start inside the window (inside a
+      CUDA graph too, where the profiler shows them), memory copies and sets left out;
+    * launches: kernel launch calls plus graph launches, one each (graph_launches: the
+      latter alone); kernels: GPU kernels run, each kernel of a replayed graph counted.
+
+    Medians over the windows, and the per-window values under ``per_step``. Without a GPU
+    (``gpu`` False) the GPU figures are None."""
+    windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_MARK + "."))
+    if not windows:
+        raise ValueError(f"no {STEP_MARK} window in the trace")
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    steps = []
+    for a, b in windows:
+        inside = [e for e in calls if a <= e["ts"] < b]
+        waited = sum(min(e["ts"] + e["dur"], b) - e["ts"] for e in inside if any(w in e["name"] for w in _WAITS))
+        run = [k for k in kernels if a <= k["ts"] < b]
+        steps.append({
+            "host_ms": (b - a - waited) / 1e3,
+            "gpu_ms": sum(k["dur"] for k in run) / 1e3 if gpu else None,
+            "launches": sum(_is_launch(e["name"]) for e in inside) if gpu else None,
+            "graph_launches": sum(_is_graph_launch(e["name"]) for e in inside) if gpu else None,
+            "kernels": len(run) if gpu else None,
+        })
+    out = {key: (None if steps[0][key] is None else statistics.median(s[key] for s in steps)) for key in steps[0]}
+    out["steps"] = len(steps)
+    out["per_step"] = steps
+    return out

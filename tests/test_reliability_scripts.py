@@ -65,6 +65,52 @@ def test_long_run_stability_verdict():
     assert lr.stability(peak, 2000, cuda=True)["stable"] is False
 
 
+def test_long_run_reserved_memory_and_settle_steps():
+    """Reserved memory may grow by two allocator segments after the settle steps, not more;
+    growth before them (compilation, graph recording) does not count."""
+    lr = load("long_run")
+    mib = 2**20
+
+    def samples(reserved):
+        return [(0, 0.0, 900 * mib, 5000 * mib, 6000 * mib)] + [
+            (s, 0.0, 100 * mib, 120 * mib, reserved(s)) for s in range(10, 2001, 10)]
+
+    within = lr.stability(samples(lambda s: 200 * mib + (s >= 1000) * 40 * mib), 2000, cuda=True)
+    assert within["stable"] is True and within["reserved_growth_bytes"] == 40 * mib
+    grows = lr.stability(samples(lambda s: 200 * mib + s * 64 * 1024), 2000, cuda=True)
+    assert grows["stable"] is False
+    early = samples(lambda s: 200 * mib + (s >= 30) * 500 * mib)
+    assert lr.stability(early, 2000, cuda=True, settle=1)["stable"] is False
+    settled = lr.stability(early, 2000, cuda=True, settle=30)
+    assert settled["stable"] is True and settled["from_step"] == 30
+
+
+def test_long_run_quick_compiled_mode_on_the_cpu(tmp_path):
+    """The CPU smoke run in compiled mode: generate() compiles nothing on the CPU, so the run
+    must fail on that check alone (memory flat, fresh-cache run identical, the eager run
+    compared)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "reliability" / "long_run.py"), "--quick", "--prompt-len", "200",
+         "--steps", "24", "--sample-every", "4", "--settle-steps", "4", "--decode", "compiled", "--compare-eager",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "long_run.json").read_text())
+    assert result["compiled_ok"] is False and result["ok"] is False
+    assert result["run_a"]["compiled_calls"] == 0
+    assert result["same_tokens"] and result["same_logits"]
+    for run in ("run_a", "run_b"):
+        assert result[run]["stability"]["stable"] is True, result[run]["stability"]
+        assert result[run]["stability"]["from_step"] == 4
+    assert result["eager_comparison"]["first_token_difference"] is None
+    assert "generate() did not compile" in proc.stdout
+
+
 def test_first_finding_is_kept():
     san = load("sanitize")
     first = san.parse_log(MEMCHECK_DIRTY)["first_finding"]

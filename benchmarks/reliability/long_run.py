@@ -1,5 +1,6 @@
 """A long generate() on the paged cache: a 128K-token prompt, then 2,000 greedy decode
-steps, memory sampled along the way, and the whole run repeated on a fresh cache.
+steps, memory sampled along the way, and the whole run repeated on a fresh cache; eager
+decode steps, or (``--decode compiled``) the steps generate() compiles by default.
 
 Model: an M3-shaped random text model small enough to be quick: Hq 64, Hkv 4, D 128,
 4 index heads of 128, index blocks of 128 with top-16 (one local), 2 layers (one
@@ -7,15 +8,26 @@ sparse, one full attention), dense MLPs of 1024, hidden size 1024, vocabulary 51
 bf16 on CUDA. generate() builds its own M3PagedCache (the default for m3_sparse).
 
 What it checks:
-* memory: ``torch.cuda.memory_allocated()`` and the peak since the previous sample
-  (``max_memory_allocated()`` after a reset) every ``--sample-every`` decode steps.
-  Stable means that neither grows from the first decode sample to the last by more
-  than what generate() itself appends (its input_ids and attention mask gain one
-  int64 column per step), plus the allocator's rounding;
+* memory: ``torch.cuda.memory_allocated()``, the peak since the previous sample
+  (``max_memory_allocated()`` after a reset) and ``memory_reserved()`` every
+  ``--sample-every`` decode steps. Stable means that, from the first decode sample at or
+  after ``--settle-steps`` (compilation and graph recording happen in the first steps) to
+  the last, neither allocated memory nor the window peak grows by more than what
+  generate() itself appends (its input_ids and attention mask gain one int64 column per
+  step) plus 1 MiB of the allocator's rounding, and the reserved memory by at most 40 MiB
+  (two of the caching allocator's 20 MiB segments, the size class of generate()'s
+  growing input_ids); on the CPU the resident set size stands for all three, with 64 MiB
+  more;
 * output: a second generate() on a fresh cache gives the same token ids and bitwise
-  the same logits at every step (recorded into a preallocated buffer by the hook).
+  the same logits at every step (recorded into a preallocated buffer by the hook);
+* ``--decode compiled``: generate() runs without ``disable_compile``, so it compiles the
+  decode step (torch.compile, CUDA graphs) when the cache says it is compileable; the run
+  fails if generate() did not use its compiled forward for every decode step
+  (``common.CompiledCalls``). ``--compare-eager`` adds a third, eager run and reports
+  whether its tokens match (information only: a compiled graph may round differently).
 
     python3 benchmarks/reliability/long_run.py                          # 128K + 2,000 steps on CUDA
+    python3 benchmarks/reliability/long_run.py --decode compiled --compare-eager
     python3 benchmarks/reliability/long_run.py --prompt-len 32768 --steps 500
     python3 benchmarks/reliability/long_run.py --quick                  # CPU smoke run, small shapes
 
@@ -26,8 +38,12 @@ for shorter ones and for the decode steps; the full-attention layer's dense kern
 the CPU the torch code. ``triton`` pins the Triton kernels (on the CPU under
 ``TRITON_INTERPRET=1``, slow), ``torch`` the torch code.
 
+A warm-up generate() first (unless ``--no-warmup``): the same prompt and cache size,
+stopped after 8 decode steps, so that kernels compile, and the compiled decode step is
+built and recorded, for the shapes of the measured runs.
+
 Prints timings per phase and a short table; writes long_run.json to $OUT (or --out).
-Exit status 1 if memory grew or the two runs differ.
+Exit status 1 if memory grew, the two runs differ, or a compiled run was not compiled.
 """
 
 from __future__ import annotations
@@ -46,6 +62,10 @@ import torch  # noqa: E402
 ROOT = common.ROOT
 
 MiB = 2**20
+# Growth of reserved memory allowed after the settle steps: two 20 MiB segments, which the
+# caching allocator takes for blocks of 1-10 MiB, the size of generate()'s input_ids here.
+RESERVED_ALLOWANCE = 40 * MiB
+WARM_STEPS = 8
 
 FULL = dict(hidden=1024, hq=64, hkv=4, d=128, index_heads=4, index_dim=128, block=128, topk=16, mlp=1024,
             vocab=512, page=64)
@@ -109,13 +129,13 @@ class Memory:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    def now(self) -> tuple[int, int]:
-        """(allocated, peak since the last reset) in bytes."""
+    def now(self) -> tuple[int, int, int]:
+        """(allocated, peak since the last reset, reserved) in bytes."""
         if self.cuda:
-            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return rss, rss
+        return rss, rss, rss
 
 
 class Probe:
@@ -126,7 +146,7 @@ class Probe:
     def __init__(self, prompt_len: int, steps: int, vocab: int, every: int, mem: Memory, device):
         self.prompt_len, self.steps, self.every, self.mem = prompt_len, steps, every, mem
         self.logits = torch.empty(steps, vocab, dtype=torch.float32, device=device)
-        self.samples = []  # (step, seconds since start, allocated, peak in the window)
+        self.samples = []  # (step, seconds since start, allocated, peak in the window, reserved)
         self.t_prefill = None
 
     def start(self):
@@ -140,35 +160,50 @@ class Probe:
         if step == 0 or step % self.every == 0 or step == self.steps - 1:
             self.mem.sync()
             t = time.perf_counter() - self.t0
-            alloc, peak = self.mem.now()
+            alloc, peak, reserved = self.mem.now()
             if step == 0:
                 self.t_prefill = t
                 self.prefill_peak = peak
-            self.samples.append((step, t, alloc, peak))
+            self.samples.append((step, t, alloc, peak, reserved))
             self.mem.reset_peak()
         return scores
 
 
-def generate(model, ids, steps, every, mem, cache=None):
-    from transformers import LogitsProcessorList
+class StopAfter:
+    """Stopping criterion: every row is done after ``steps`` decode steps (the warm-up)."""
+
+    def __init__(self, prompt_len: int, steps: int):
+        self.prompt_len, self.steps = prompt_len, steps
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids.shape[1] - self.prompt_len > self.steps
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def generate(model, ids, steps, every, mem, cache=None, compiled=False, stop_after=None):
+    """generate() of ``steps`` tokens with the memory probe: (new tokens, probe, seconds,
+    decode steps run through generate()'s compiled forward)."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     probe = Probe(ids.shape[1], steps, model.config.vocab_size, every, mem, ids.device)
+    stop = StoppingCriteriaList([StopAfter(ids.shape[1], stop_after)] if stop_after else [])
     probe.start()
-    with torch.no_grad():
+    with torch.no_grad(), common.CompiledCalls(model) as watch:
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=steps,
             do_sample=False,
             logits_processor=LogitsProcessorList([probe]),
+            stopping_criteria=stop,
             past_key_values=cache,
-            # Eager decode steps: should the cache become compileable, generate() would
-            # otherwise compile them on CUDA in the middle of the measurement.
-            disable_compile=True,
+            # Eager: with a compileable cache generate() would otherwise compile the decode
+            # steps on CUDA by itself.
+            disable_compile=not compiled,
         )
     mem.sync()
     total = time.perf_counter() - probe.t0
-    return out[0, ids.shape[1] :].clone(), probe, total
+    return out[0, ids.shape[1] :].clone(), probe, total, watch.calls
 
 
 def fresh_cache(model, ids, steps, page, shuffle: bool, seed: int):
@@ -184,52 +219,120 @@ def fresh_cache(model, ids, steps, page, shuffle: bool, seed: int):
                         block_tables=tables, num_pages=pages if shuffle else None)
 
 
-def stability(samples, steps: int, cuda: bool) -> dict:
-    """Growth of allocated memory and of the window peak from the first decode sample
-    to the last, against what generate() itself appends."""
-    decode = [s for s in samples if s[0] > 0]
+def stability(samples, steps: int, cuda: bool, settle: int = 1) -> dict:
+    """Growth of allocated memory, of the window peak and of reserved memory from the
+    first decode sample at or after step ``settle`` to the last: the first two against
+    what generate() itself appends, the third against ``RESERVED_ALLOWANCE``. Samples are
+    (step, seconds, allocated, window peak[, reserved])."""
+    decode = [s for s in samples if s[0] >= max(1, settle)]
     if len(decode) < 2:
-        return {"stable": None, "why": "fewer than two decode samples"}
+        return {"stable": None, "why": f"fewer than two decode samples from step {max(1, settle)}"}
     first, last = decode[0], decode[-1]
     grow_alloc = last[2] - first[2]
     grow_peak = max(s[3] for s in decode[len(decode) // 2 :]) - max(s[3] for s in decode[: len(decode) // 2])
     # input_ids and attention_mask gain an int64 column per step (16 B), each copied
     # whole per step (the caching allocator rounds to 512 B blocks); on the CPU the RSS
     # moves with the system allocator, so the bound is loose there.
-    tol = 2 * 8 * (last[0] - first[0]) + 2 * 512 + (0 if cuda else 64 * MiB) + 1 * MiB
-    return {
-        "stable": grow_alloc <= tol and grow_peak <= tol,
+    loose = 0 if cuda else 64 * MiB
+    tol = 2 * 8 * (last[0] - first[0]) + 2 * 512 + loose + 1 * MiB
+    out = {
+        "from_step": first[0],
         "allocated_growth_bytes": grow_alloc,
         "window_peak_growth_bytes": grow_peak,
         "tolerance_bytes": tol,
         "decode_allocated_min_max": [min(s[2] for s in decode), max(s[2] for s in decode)],
         "decode_peak_max": max(s[3] for s in decode),
     }
+    stable = grow_alloc <= tol and grow_peak <= tol
+    if len(first) > 4:
+        out["reserved_growth_bytes"] = last[4] - first[4]
+        out["reserved_tolerance_bytes"] = RESERVED_ALLOWANCE + loose
+        stable = stable and out["reserved_growth_bytes"] <= out["reserved_tolerance_bytes"]
+    return {"stable": stable, **out}
 
 
-def main() -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 131072; 512 with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default 2000; 64 with --quick)")
-    ap.add_argument("--sample-every", type=int, default=None, help="decode steps between memory samples")
+    ap.add_argument("--sample-every", type=int, default=None, help="decode steps between memory samples (default steps / 20)")
+    ap.add_argument("--settle-steps", type=int, default=16,
+                    help="decode steps left out of the memory-growth check (compilation, graph recording; default 16)")
+    ap.add_argument("--decode", default="eager", choices=["eager", "compiled"],
+                    help="eager (default): generate(disable_compile=True); compiled: generate()'s default, which compiles "
+                    "the decode step of a compileable cache on CUDA (the run fails if it did not)")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="with --decode compiled: a third run, eager, whose tokens are compared (reported only)")
     ap.add_argument("--impl", default="auto", choices=["auto", "torch", "triton"],
                     help="M3_SPARSE_IMPL for the run (default auto: the Triton kernels on CUDA, the torch code on the "
                     "CPU)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: toy shapes, short prompt, fp32")
     ap.add_argument("--device", default=None, help="default cuda (cpu with --quick)")
-    ap.add_argument("--no-warmup", action="store_true", help="skip the short generate() that compiles the kernels")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up generate()")
     ap.add_argument("--shuffle-pages", action="store_true",
                     help="the second run's fresh cache places pages in a random order")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="directory for long_run.json (default $OUT, else out/)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.prompt_len = args.prompt_len or (512 if args.quick else 131072)
+    args.steps = args.steps or (64 if args.quick else 2000)
+    args.every = args.sample_every or max(1, args.steps // 20)
+    args.device = torch.device(args.device or ("cpu" if args.quick else "cuda"))
+    if args.compare_eager and args.decode != "compiled":
+        ap.error("--compare-eager: compares a compiled run with an eager one; pass --decode compiled")
+    return args
 
-    quick = args.quick
-    shape = QUICK if quick else FULL
-    prompt_len = args.prompt_len or (512 if quick else 131072)
-    steps = args.steps or (64 if quick else 2000)
-    every = args.sample_every or max(1, steps // 20)
-    device = torch.device(args.device or ("cpu" if quick else "cuda"))
+
+def run(model, ids, args, mem, name: str, phases: dict, cache=None, compiled=None) -> dict:
+    """One measured generate(): its tokens, probe and compiled-call count, timings in ``phases``."""
+    compiled = args.decode == "compiled" if compiled is None else compiled
+    tokens, probe, total, calls = generate(model, ids, args.steps, args.every, mem, cache=cache, compiled=compiled)
+    phases[f"{name} prefill"] = probe.t_prefill
+    phases[f"{name} decode"] = total - probe.t_prefill
+    return {"tokens": tokens, "probe": probe, "compiled_calls": calls,
+            "stability": stability(probe.samples, args.steps, mem.cuda, args.settle_steps)}
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    return None if torch.equal(a, b) else int(torch.nonzero(a != b)[0])
+
+
+def report(args, dtype, phases, base, runs, checks, unit) -> None:
+    print(f"\ndevice {torch.cuda.get_device_name(args.device) if unit != 'RSS' else 'CPU'}, {str(dtype)[6:]}, "
+          f"M3_SPARSE_IMPL={args.impl}, {args.decode} decode, prompt {args.prompt_len}, {args.steps} decode steps, "
+          f"memory before the runs {base / MiB:.0f} MiB ({unit})")
+    print("\nphase | seconds")
+    print("---|---")
+    for name, secs in phases.items():
+        extra = f" ({secs / max(args.steps - 1, 1) * 1e3:.1f} ms/step)" if name.endswith("decode") else ""
+        print(f"{name} | {secs:.1f}{extra}")
+    probe = runs["run A"]["probe"]
+    print(f"\nrun A memory (MiB): prefill peak {probe.prefill_peak / MiB:.0f}")
+    print(f"step | {unit} | peak since previous sample | reserved")
+    print("---|---|---|---")
+    for step, _, alloc, peak, reserved in probe.samples:
+        print(f"{step} | {alloc / MiB:.1f} | {peak / MiB:.1f} | {reserved / MiB:.1f}")
+    print("\ncheck | result")
+    print("---|---")
+    for name, text in checks:
+        print(f"{name} | {text}")
+
+
+def memory_check(st: dict, unit: str) -> str:
+    if st["stable"] is None:
+        return f"n/a ({st['why']})"
+    reserved = (f", reserved growth {st['reserved_growth_bytes'] / MiB:.1f} MiB (allowance "
+                f"{st['reserved_tolerance_bytes'] / MiB:.0f} MiB)" if "reserved_growth_bytes" in st else "")
+    return (f"{'yes' if st['stable'] else 'NO'}: from step {st['from_step']}, {unit} growth "
+            f"{st['allocated_growth_bytes'] / 1024:.1f} KiB, window-peak growth "
+            f"{st['window_peak_growth_bytes'] / 1024:.1f} KiB (tolerance {st['tolerance_bytes'] / 1024:.0f} KiB)"
+            + reserved)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shape = QUICK if args.quick else FULL
+    device, steps = args.device, args.steps
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device (use --quick for the CPU smoke run)", file=sys.stderr)
@@ -244,90 +347,80 @@ def main() -> int:
     phases = {}
 
     t = time.perf_counter()
-    model = build_model(shape, prompt_len + steps + 64, device, dtype, args.seed)
+    model = build_model(shape, args.prompt_len + steps + 64, device, dtype, args.seed)
     phases["build model"] = time.perf_counter() - t
     g = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.randint(3, shape["vocab"], (1, prompt_len), generator=g).to(device)
+    ids = torch.randint(3, shape["vocab"], (1, args.prompt_len), generator=g).to(device)
 
     if not args.no_warmup:
-        # Compiles the Triton kernels before anything is timed: with the default shapes the
-        # 4096-token prompt already selects blocks and takes KV-outer like the long prefill,
-        # and its decode steps take the decode kernel.
+        # The measured runs' prompt and cache size, stopped early: the kernels compile for
+        # their shapes (the long prompt takes KV-outer, the steps the decode kernel), and
+        # so does a compiled decode step, whose graph is recorded here.
         t = time.perf_counter()
-        warm = min(prompt_len, 4096)
-        generate(model, ids[:, :warm], 4, 1000, mem)
-        phases["warm-up (short generate)"] = time.perf_counter() - t
+        generate(model, ids, steps, 1000, mem, compiled=args.decode == "compiled", stop_after=WARM_STEPS)
+        phases["warm-up (stopped after 8 steps)"] = time.perf_counter() - t
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     base = mem.now()[0]
-    tokens_a, probe_a, total_a = generate(model, ids, steps, every, mem)
-    phases["run A prefill"] = probe_a.t_prefill
-    phases["run A decode"] = total_a - probe_a.t_prefill
-
+    runs = {"run A": run(model, ids, args, mem, "run A", phases)}
     cache_b = fresh_cache(model, ids, steps, shape["page"], args.shuffle_pages, args.seed) if args.shuffle_pages \
         else None
-    tokens_b, probe_b, total_b = generate(model, ids, steps, every, mem, cache=cache_b)
-    phases["run B prefill (fresh cache)"] = probe_b.t_prefill
-    phases["run B decode"] = total_b - probe_b.t_prefill
-
-    same_tokens = torch.equal(tokens_a, tokens_b)
-    same_logits = torch.equal(probe_a.logits.view(torch.int32), probe_b.logits.view(torch.int32))
-    first_diff = None
-    if not same_tokens:
-        first_diff = int(torch.nonzero(tokens_a != tokens_b)[0])
-    stab_a = stability(probe_a.samples, steps, mem.cuda)
-    stab_b = stability(probe_b.samples, steps, mem.cuda)
-    distinct = int(tokens_a.unique().numel())
-
-    # ------------------------------------------------------------------ report
+    runs["run B"] = run(model, ids, args, mem, "run B (fresh cache)", phases, cache=cache_b)
+    a, b = runs["run A"], runs["run B"]
+    same_logits = torch.equal(a["probe"].logits.view(torch.int32), b["probe"].logits.view(torch.int32))
+    first_diff = first_difference(a["tokens"], b["tokens"])
     unit = "allocated" if mem.cuda else "RSS"
-    print(f"\ndevice {torch.cuda.get_device_name(device) if mem.cuda else 'CPU'}, {str(dtype)[6:]}, "
-          f"M3_SPARSE_IMPL={args.impl}, prompt {prompt_len}, {steps} decode steps, memory before the runs "
-          f"{base / MiB:.0f} MiB ({unit})")
-    print("\nphase | seconds")
-    print("---|---")
-    for name, secs in phases.items():
-        extra = f" ({secs / max(steps - 1, 1) * 1e3:.1f} ms/step)" if "decode" in name else ""
-        print(f"{name} | {secs:.1f}{extra}")
-    print(f"\nrun A memory ({unit}, MiB): prefill peak {probe_a.prefill_peak / MiB:.0f}")
-    print(f"step | {unit} | peak since previous sample")
-    print("---|---|---")
-    for step, _, alloc, peak in probe_a.samples:
-        print(f"{step} | {alloc / MiB:.1f} | {peak / MiB:.1f}")
-    print("\ncheck | result")
-    print("---|---")
-    for name, st in (("run A", stab_a), ("run B", stab_b)):
-        if st["stable"] is None:
-            print(f"{name} memory stable | n/a ({st['why']})")
-            continue
-        print(f"{name} memory stable | {'yes' if st['stable'] else 'NO'}: {unit} growth "
-              f"{st['allocated_growth_bytes'] / 1024:.1f} KiB, window-peak growth "
-              f"{st['window_peak_growth_bytes'] / 1024:.1f} KiB (tolerance {st['tolerance_bytes'] / 1024:.0f} KiB)")
-    print(f"token ids A == B (fresh cache{', shuffled pages' if args.shuffle_pages else ''}) | "
-          f"{'yes' if same_tokens else f'NO, first difference at step {first_diff}'}")
-    print(f"logits A == B bitwise, all {steps} steps | {'yes' if same_logits else 'NO'}")
-    print(f"distinct tokens generated | {distinct}")
+    checks = [(f"{name} memory stable", memory_check(r["stability"], unit)) for name, r in runs.items()]
+    checks += [
+        (f"token ids A == B (fresh cache{', shuffled pages' if args.shuffle_pages else ''})",
+         "yes" if first_diff is None else f"NO, first difference at step {first_diff}"),
+        (f"logits A == B bitwise, all {steps} steps", "yes" if same_logits else "NO"),
+        ("distinct tokens generated", str(int(a["tokens"].unique().numel()))),
+    ]
+    compiled_ok = True
+    if args.decode == "compiled":
+        # generate() calls the compiled forward for every decode step, none for the prefill.
+        compiled_ok = all(r["compiled_calls"] == steps - 1 for r in runs.values())
+        checks.append(("decode steps through generate()'s compiled forward, A / B",
+                       f"{a['compiled_calls']} / {b['compiled_calls']} of {steps - 1}"
+                       + ("" if compiled_ok else ": NO, generate() did not compile (is the cache compileable?)")))
+    eager = None
+    if args.compare_eager:
+        c = run(model, ids, args, mem, "run C (eager)", phases, compiled=False)
+        diff = first_difference(a["tokens"], c["tokens"])
+        eager = {"first_token_difference": diff,
+                 "max_abs_logit_difference": float((a["probe"].logits - c["probe"].logits).abs().max())}
+        checks.append(("token ids compiled A == eager C (information)",
+                       ("yes" if diff is None else f"no, first difference at step {diff}")
+                       + f"; largest logit difference {eager['max_abs_logit_difference']:.3g}"))
+    report(args, dtype, phases, base, runs, checks, unit)
 
-    ok = same_tokens and same_logits and stab_a["stable"] is not False and stab_b["stable"] is not False
+    ok = (first_diff is None and same_logits and compiled_ok
+          and all(r["stability"]["stable"] is not False for r in runs.values()))
     result = {
         **common.environment(),
         "device": torch.cuda.get_device_name(device) if mem.cuda else "CPU",
         "dtype": str(dtype),
         "impl": args.impl,
+        "decode": args.decode,
         "shape": shape,
-        "prompt_len": prompt_len,
+        "prompt_len": args.prompt_len,
         "steps": steps,
-        "sample_every": every,
+        "sample_every": args.every,
+        "settle_steps": args.settle_steps,
         "phases_s": phases,
         "memory_before_bytes": base,
-        "run_a": {"prefill_peak_bytes": probe_a.prefill_peak, "samples": probe_a.samples, "stability": stab_a},
-        "run_b": {"prefill_peak_bytes": probe_b.prefill_peak, "samples": probe_b.samples, "stability": stab_b},
-        "same_tokens": same_tokens,
+        **{name.replace(" ", "_").lower(): {"prefill_peak_bytes": r["probe"].prefill_peak, "samples": r["probe"].samples,
+                                            "stability": r["stability"], "compiled_calls": r["compiled_calls"]}
+           for name, r in runs.items()},
+        "same_tokens": first_diff is None,
         "same_logits": same_logits,
         "first_token_difference": first_diff,
-        "distinct_tokens": distinct,
+        "distinct_tokens": int(a["tokens"].unique().numel()),
         "shuffle_pages": args.shuffle_pages,
+        "compiled_ok": compiled_ok,
+        "eager_comparison": eager,
         "ok": ok,
     }
     common.write_json(out_dir / "long_run.json", result)
