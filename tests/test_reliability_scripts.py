@@ -1,11 +1,13 @@
 """The GPU reliability scripts' own logic, on the CPU: compute-sanitizer summaries are
 parsed right (a missed error count would report a dirty run as clean), the sanitizer's
-cases reach the kernels they name, the long-run stability verdict flags growth, and the
-result files the scripts share (benchmarks/common.py) are strict JSON."""
+cases reach the kernels they name, the long-run stability verdict flags growth, the
+m3_sparse / sdpa agreement sweep and diagnosis run end to end, and the result files the
+scripts share (benchmarks/common.py) are strict JSON."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,20 @@ def test_results_are_strict_json(tmp_path):
     for key in ("bench", "case", "sizes", "baseline", "baseline_ms", "device", "torch", "triton", "date", "command"):
         assert key in row
     assert common.result_path(tmp_path / "mem.json", "bench_memory") == tmp_path / "mem.json"
+
+
+def test_sdpa_agreement_sweep_and_diagnosis(tmp_path, capsys):
+    agreement = load("sdpa_agreement")
+    assert agreement.seeds("0-2,5") == [0, 1, 2, 5]
+    small = ["--device", "cpu", "--work-dir", str(tmp_path), "--prompt-tokens", "80", "--batch-sizes", "2",
+             "--max-new-tokens", "2"]
+    assert agreement.main([*small, "--seeds", "0-1", "--out", str(tmp_path / "sweep")]) == 0
+    assert "rows: 4 agree, 0 near-tie, 0 disagree" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "sweep" / "sdpa_agreement.json").read_text())["rows"]
+    assert [(r["seed"], r["verdicts"]) for r in rows] == [(0, ["agree", "agree"]), (1, ["agree", "agree"])]
+
+    assert agreement.main([*small, "--seeds", "0", "--diagnose", "--torch-impl", "--out", str(tmp_path / "diag")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("no selection differs from sdpa's") == 2, out
+    assert out.count("--compare-sdpa's verdict: agree") == 2, out
+    assert "M3_SPARSE_IMPL=torch: 0 selections differ" in out, out
