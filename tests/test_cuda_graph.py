@@ -164,3 +164,47 @@ def test_compiled_decode_step_does_not_synchronize(model):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert cache.sequence_lengths().tolist() == (mask.sum(-1) + 8).tolist()
+
+
+# At most this many kernel launches per sparse layer beyond the dense twin's layer in an eager
+# decode step (the dense twin: the same model with every layer full attention on transformers'
+# sdpa and StaticCache).
+EXTRA_LAUNCHES_PER_SPARSE_LAYER = 20
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def _decode_step_launches(model, cache, prompt) -> int:
+    """Kernel launches of one eager decode step after the prompt (warm: a step before it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    pos = torch.full((prompt.shape[0], 1), prompt.shape[1], dtype=torch.long, device="cuda")
+    model(input_ids=prompt[:, -1:], position_ids=pos, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(input_ids=prompt[:, -1:], position_ids=pos + 1, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.name in _LAUNCHES)
+
+
+@torch.no_grad()
+def test_eager_decode_step_launches_few_kernels_per_sparse_layer(tmp_path):
+    from transformers import StaticCache
+
+    # The 12-layer pattern of the M3-shaped benchmark model (sssf x 3).
+    layer_types = (["minimax_m3_sparse"] * 3 + ["full_attention"]) * 3
+    n = len(layer_types)
+    common = dict(index_block_size=16, index_topk_blocks=3, mlp_layer_types=["dense"] * n, num_hidden_layers=n)
+    save_tiny_text_model(tmp_path / "sparse", seed=12, layer_types=layer_types, **common)
+    save_tiny_text_model(tmp_path / "dense", seed=12, layer_types=["full_attention"] * n, **common)
+    sparse = AutoModelForCausalLM.from_pretrained(tmp_path / "sparse", attn_implementation="m3_sparse", dtype=torch.bfloat16)
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", attn_implementation="sdpa", dtype=torch.bfloat16)
+    sparse, dense = sparse.cuda().eval(), dense.cuda().eval()
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.stack([random_prompt(PROMPT, g) for _ in range(BATCH)]).cuda()
+    got = _decode_step_launches(sparse, M3PagedCache(sparse.config, BATCH, PROMPT + 4, device="cuda"), prompt)
+    base = _decode_step_launches(dense, StaticCache(config=dense.config, max_cache_len=PROMPT + 4), prompt)
+    extra = (got - base) / layer_types.count("minimax_m3_sparse")
+    assert extra <= EXTRA_LAUNCHES_PER_SPARSE_LAYER, (
+        f"{got} launches per eager decode step against the dense twin's {base}: {extra:.1f} per sparse layer"
+    )

@@ -71,6 +71,23 @@ def _is_pow2(n: int) -> bool:
 
 
 # --------------------------------------------------------------------------- index branch
+PREP_MAX_DIM = 256  # the prep kernel holds a token's heads x head dim in registers
+
+
+def prep_unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why the index-prep kernel cannot take a checked call (None if it can)."""
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"index_prep kernel: q dtype {q.dtype} (bfloat16, float16 or float32)"
+    if q.shape[3] > PREP_MAX_DIM or q.shape[2] * q.shape[3] > 64 * 128:
+        return f"index_prep kernel: {q.shape[2]} heads x head dim {q.shape[3]} do not fit one program"
+    for name, t in (("q", q), ("k", k)):
+        if t.stride(-1) != 1 or (t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1)):
+            return f"index_prep kernel: {name} must be contiguous over (batch, tokens) with a unit last stride"
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return "index_prep kernel: cos and sin need the same strides and a unit last stride"
+    return None
+
+
 def index_unsupported(args: IndexArgs) -> str | None:
     return index_plan.shape_reason(args.index_q, args.index_k_cache, args.topk, args.block_size)
 

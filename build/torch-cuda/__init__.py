@@ -2,6 +2,7 @@
 
 Public ops (``api``; token-major queries, paged caches):
 
+* ``index_prep``: the index branch's query/key norm and rotary embedding (one launch on CUDA);
 * ``index_topk``: block selection of the index branch;
 * ``sparse_attention``: sparse attention over the selected blocks, the decode kernel or
   KV-outer chosen from the query rows per sequence (``sparse_decode_attention``,
@@ -34,6 +35,7 @@ from .api import (
     IndexConfig,
     KVOuterConfig,
     dense_paged_attention,
+    index_prep,
     index_topk,
     kvouter_attention,
     sparse_attention,
@@ -75,6 +77,7 @@ __all__ = [
     "build_kvouter_index",
     "combine",
     "dense_paged_attention",
+    "index_prep",
     "index_topk",
     "kvouter_attention",
     "kvouter_partials",

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_b71486a083"
+NAMESPACE = "_m3_sparse_cuda_2a0f0577fe"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -18,12 +18,13 @@ import torch
 from . import dispatch
 from .core.args import AttnArgs, IndexArgs
 from .core.layout import chunk_varlen, token_positions
-from .core.validate import attention_args, check_positive_int, index_args
+from .core.validate import attention_args, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
 from .decode.plan import DecodeConfig
 from .dense.attention import dense_paged_attention_torch
 from .dense.plan import DenseConfig
 from .index.plan import IndexConfig
+from .index.prep import index_prep_torch
 from .index.topk import index_topk_torch
 from .kvouter.build import build_kvouter_index
 from .kvouter.combine import combine_torch, merge_scale
@@ -42,6 +43,47 @@ def _checked(call: dict, sparse: bool = True) -> AttnArgs:
 
 
 # --------------------------------------------------------------------------- index branch
+def index_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    eps: float,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index queries and key of M3's index branch, normed and rotated: per-head RMSNorm
+    with a ``1 + weight`` gain, then the rotary embedding of the first ``R`` dims (halves
+    rotated), rounded to the inputs' dtype where the model rounds (``index/prep.py``).
+
+    q: [B, S, Hi, D] and k: [B, S, D], the projections; q_weight / k_weight: [D] norm
+    weights; cos / sin: [B or 1, S, R] (R even, at most D) in the inputs' dtype.
+    Returns (q, k) of the same shapes, contiguous. On CUDA one Triton launch
+    (``index/prep_triton.py``); ``impl`` pins "torch" or "triton" as for the other ops.
+    """
+    check_tensor("q", q, ndim=4)
+    device, (batch, seq, _, d) = q.device, q.shape
+    for name, t, shape in (("k", k, (batch, seq, d)), ("q_weight", q_weight, (d,)), ("k_weight", k_weight, (d,))):
+        check_tensor(name, t, device=device)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, ndim=3, dtypes=(q.dtype,), device=device)
+        if t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] % 2 or t.shape[2] > d:
+            raise ValueError(
+                f"{name}: expected shape [1 or {batch}, {seq}, R] with R even and at most {d}, got {tuple(t.shape)}"
+            )
+    if k.dtype != q.dtype:
+        raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
+    if dispatch.use_triton(q, dispatch.prep_unsupported(q, k, cos, sin), impl):
+        from .index import prep_triton
+
+        return prep_triton.index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps)
+    return index_prep_torch(q, k, q_weight, k_weight, cos, sin, eps)
+
+
 def index_topk(
     index_q: torch.Tensor,
     index_k_cache: torch.Tensor,
@@ -339,6 +381,7 @@ __all__ = [
     "IndexConfig",
     "KVOuterConfig",
     "dense_paged_attention",
+    "index_prep",
     "index_topk",
     "kvouter_attention",
     "sparse_attention",

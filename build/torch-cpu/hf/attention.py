@@ -174,13 +174,21 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     if not is_active(self.config):
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
     batch, q_len, _ = hidden_states.shape
-    idx_q = self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)
-    idx_q = self.q_norm(idx_q).transpose(1, 2)  # [B, Hi, S, Di]
-    idx_k = self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim)
-    idx_k = self.k_norm(idx_k).transpose(1, 2)  # [B, 1, S, Di]
     cos, sin = position_embeddings
-    idx_q, idx_k = m3.apply_rotary_pos_emb(idx_q, idx_k, cos[..., : self.head_dim], sin[..., : self.head_dim])
-    heads = idx_q.shape[1]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
+    # The stock indexer's norms and rotary embedding, in one launch on CUDA (api.index_prep);
+    # a compiled step keeps them as torch operations, which inductor fuses by itself.
+    idx_q, idx_k = api.index_prep(
+        self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim),
+        self.k_proj(hidden_states).view(batch, q_len, self.head_dim),
+        self.q_norm.weight,
+        self.k_norm.weight,
+        cos[..., : self.head_dim],
+        sin[..., : self.head_dim],
+        eps=self.q_norm.eps,
+        impl="torch" if torch.compiler.is_compiling() else "auto",
+    )  # [B, S, Hi, Di], [B, S, Di]
+    heads = idx_q.shape[2]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
+    idx_k = idx_k[:, None]  # [B, 1, S, Di]: the cache's layout of new states
 
     layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
     fp8_args = {}
@@ -204,7 +212,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         pool = pool[:, 0]  # one shared index-key head
     selected = _op(
         "index_topk",
-        index_q=idx_q.transpose(1, 2).reshape(batch * q_len, heads, self.head_dim),
+        index_q=idx_q.reshape(batch * q_len, heads, self.head_dim),
         index_k_cache=pool,
         block_tables=tables,
         cu_seqlens_q=cu,

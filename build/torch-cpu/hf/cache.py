@@ -535,9 +535,10 @@ class M3PagedCache(Cache):
         n["step_kv_lens"].copy_((seq + q_len - lead).clamp(max=capacity))
         n["pending"].copy_(real)
         n["slots"].add_(q_len)
-        # A traced step must not read the host count (the graph would keep its value): it
-        # forgets it, and the next eager read copies the device count back.
-        self._host_slots = None if torch.compiler.is_compiling() else self._host_slots + q_len
+        # A traced or captured step must not keep the host count (replays advance only the
+        # device count): it forgets it, and the next eager read copies the device count back.
+        replayed = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        self._host_slots = None if replayed else self._host_slots + q_len
         cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
         layers = len(self.layers)
         self._step = {
