@@ -56,7 +56,7 @@ def tie_bound(abs_dot: float, head_dim: int, dtype: torch.dtype) -> float:
 
 def _rms_norm64(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     # MiniMaxM3VLRMSNorm's formula (a 1 + weight gain), without its cast to fp32.
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.double())
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight.to(x.device, torch.float64))
 
 
 @torch.no_grad()
@@ -64,11 +64,12 @@ def index_qk64(indexer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """The indexer's queries and keys in float64: hidden [N, hidden], cos / sin [N, R] ->
     (q [N, Hi, Di], k [N, Di]), the same projections, norms and rotary embedding."""
     d, n = indexer.head_dim, hidden.shape[0]
+    # On the device of the captured states (kept on the host to save GPU memory).
     x = hidden.double()
-    q = F.linear(x, indexer.q_proj.weight.double()).view(n, -1, d)
-    k = F.linear(x, indexer.k_proj.weight.double()).view(n, 1, d)
+    q = F.linear(x, indexer.q_proj.weight.to(x.device, torch.float64)).view(n, -1, d)
+    k = F.linear(x, indexer.k_proj.weight.to(x.device, torch.float64)).view(n, 1, d)
     q, k = _rms_norm64(q, indexer.q_norm), _rms_norm64(k, indexer.k_norm)
-    q, k = m3.apply_rotary_pos_emb(q, k, cos[..., :d].double(), sin[..., :d].double())
+    q, k = m3.apply_rotary_pos_emb(q, k, cos[..., :d].to(x.device, torch.float64), sin[..., :d].to(x.device, torch.float64))
     return q, k[:, 0]
 
 
@@ -80,7 +81,7 @@ def block_scores64(indexer, hidden, cos, sin, position: int, head: int, blocks: 
     size = indexer.block_size
     keys = torch.cat([torch.arange(b * size, min((b + 1) * size, position + 1)) for b in blocks])
     cols = torch.cat([keys, torch.tensor([position])]).to(hidden.device)
-    q, k = index_qk64(indexer, hidden[cols], cos[cols], sin[cols])
+    q, k = index_qk64(indexer, hidden[cols], cos[cols.to(cos.device)], sin[cols.to(sin.device)])
     q, k = q[-1, head], k[:-1]
     s, a = k @ q, k.abs() @ q.abs()  # [keys]
     owner = (keys // size).to(hidden.device)

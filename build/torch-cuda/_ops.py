@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_2a0f0577fe"
+NAMESPACE = "_m3_sparse_cuda_ad8869f72a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

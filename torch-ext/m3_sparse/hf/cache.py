@@ -82,6 +82,14 @@ def new_token_layout(mask: torch.Tensor | None, batch: int, q_len: int, device):
     return lead, n
 
 
+def _in_graph() -> bool:
+    """Whether the code runs for a graph that will be replayed: traced by ``torch.compile``
+    or captured by a CUDA graph (nothing here may then read the device from the host)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _mark_static(*tensors: torch.Tensor | None) -> None:
     """Tell ``torch.compile`` that these buffers keep their address: a compiled step then
     reads and updates them in place instead of copying them into its CUDA graph. (Not
@@ -537,8 +545,7 @@ class M3PagedCache(Cache):
         n["slots"].add_(q_len)
         # A traced or captured step must not keep the host count (replays advance only the
         # device count): it forgets it, and the next eager read copies the device count back.
-        replayed = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        self._host_slots = None if replayed else self._host_slots + q_len
+        self._host_slots = None if _in_graph() else self._host_slots + q_len
         cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
         layers = len(self.layers)
         self._step = {
@@ -665,9 +672,10 @@ class M3PagedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """Token slots fed per sequence (every layer holds the same). While ``torch.compile``
-        traces a step: the device count (a 0-d tensor, as transformers' ``StaticLayer``
-        returns), so the graph does not depend on a host value that changes every step."""
-        if torch.compiler.is_compiling():
+        traces a step or a CUDA graph captures one: the device count (a 0-d tensor, as
+        transformers' ``StaticLayer`` returns), so the graph does not depend on a host value
+        that changes every step."""
+        if _in_graph():
             return self._lengths["slots"] if self._lengths is not None else 0
         return self.slots_used
 
