@@ -81,36 +81,39 @@ def kvouter_seqs(bound: int) -> list[tuple[int, int]]:
     return [(bound + 20, bound + 1), (70, 9), (33, 1), (0, 2)]
 
 
+def spy(monkeypatch, owner, name: str, seen) -> None:
+    """Wrap ``owner.name`` so that each call, which still runs, hands its result to ``seen``:
+    how a test sees which branch of a dispatch ran, and what it made."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen(out)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
 def sparse_branches(monkeypatch) -> list[str]:
     """The branch that each later ``sparse_attention`` call runs, in order: "decode" or
-    "kvouter", recorded by wrapping the two functions of ``api`` the branches call (the public
-    ``sparse_decode_attention`` and ``kvouter_attention`` record theirs as well)."""
+    "kvouter", seen at the two functions of ``api`` the branches call (the public
+    ``sparse_decode_attention`` and ``kvouter_attention`` call them too)."""
     from m3_sparse import api
 
     ran = []
     for branch in ("decode", "kvouter"):
-        real = getattr(api, f"_{branch}")
-        monkeypatch.setattr(api, f"_{branch}", lambda *a, _real=real, _b=branch, **kw: ran.append(_b) or _real(*a, **kw))
+        spy(monkeypatch, api, f"_{branch}", lambda _, b=branch: ran.append(b))
     return ran
 
 
 def partial_dtypes(monkeypatch) -> list[torch.dtype]:
-    """The dtype of the partials that each later KV-outer call (or slice of one) stores,
-    recorded at its partials stage, the torch one or the kernels'."""
+    """The dtype of the partials that each later KV-outer call (or slice of one) stores, seen
+    at its partials stage, the torch one or the kernels'."""
     from m3_sparse import api
 
     dtypes = []
-
-    def record(real):
-        def stage(*args, **kwargs):
-            po, pm, pl = real(*args, **kwargs)
-            dtypes.append(po.dtype)
-            return po, pm, pl
-
-        return stage
-
     for name in ("partials_torch", "_partials_gpu"):
-        monkeypatch.setattr(api, name, record(getattr(api, name)))
+        spy(monkeypatch, api, name, lambda partials: dtypes.append(partials[0].dtype))
     return dtypes
 
 

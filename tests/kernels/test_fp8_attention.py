@@ -120,8 +120,8 @@ IMPLS = ["torch", "triton"]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("fp8_q", [True, False], ids=["q8", "q16"])
 def test_fp8_caches(op, impl, causal, fp8_q, monkeypatch):
-    seqs = problem_seqs(op, FP8 if fp8_q else torch.bfloat16)
-    batch, q, k, v, sel = problem(3 + int(causal) + 2 * int(fp8_q) + 4 * list(OPS).index(op), causal=causal, seqs=seqs)
+    seed = 3 + int(causal) + 2 * int(fp8_q) + 4 * list(OPS).index(op)
+    batch, q, k, v, sel = problem(seed, causal=causal, seqs=problem_seqs(op, FP8 if fp8_q else torch.bfloat16))
     k8, ks = quantize_e4m3(k)
     v8, vs = quantize_e4m3(v)
     if fp8_q:

@@ -24,7 +24,15 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernel_test_utils import fp8_mma, gen, is_poisoned, make_batch, poisoned_allocations, randn, require_gluon  # noqa: E402
+from kernel_test_utils import (  # noqa: E402
+    fp8_mma,
+    gen,
+    is_poisoned,
+    make_batch,
+    poisoned_allocations,
+    randn,
+    require_gluon,
+)
 from m3_sparse.reference import index_topk_ref  # noqa: E402
 import m3_sparse  # noqa: E402
 from m3_sparse.index.plan import IndexConfig  # noqa: E402
