@@ -12,10 +12,7 @@ from transformers import AutoModelForCausalLM, CompileConfig
 from m3_hf_attention import M3PagedCache
 from model_utils import PAD, VOCAB, greedy, random_prompt, save_tiny_text_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 BATCH, PROMPT, STEPS, PAGE = 3, 100, 12, 16
 
@@ -52,8 +49,6 @@ def _step(model, cache, ids, pos):
 @pytest.mark.parametrize("fp8", [False, True, "kv"], ids=["bf16_index", "fp8_index", "fp8_index_and_kv"])
 @torch.no_grad()
 def test_decode_step_replays_in_a_cuda_graph(model, fp8):
-    if fp8 and not hasattr(torch, "float8_e4m3fn"):
-        pytest.skip("no float8 in this torch")
     index_dtype = torch.float8_e4m3fn if fp8 else None
     kv = dict(kv_cache_dtype=torch.float8_e4m3fn, k_scale=0.02, v_scale=0.03) if fp8 == "kv" else {}
     prompt, feed = _inputs(3)

@@ -101,16 +101,13 @@ def test_each_layer_keeps_its_pages_on_its_device(checkpoint):
 
 
 # --------------------------------------------------------------------------- GPU
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
 @pytest.mark.parametrize(
     "layer_devices",
     [
-        pytest.param(["cuda:0", "cpu", "cuda:0"], marks=gpu, id="cuda0-cpu"),
+        pytest.param(["cuda:0", "cpu", "cuda:0"], marks=pytest.mark.gpu, id="cuda0-cpu"),
         pytest.param(
             ["cuda:0", "cuda:1", "cpu"],
-            marks=[*gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")],
+            marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")],
             id="cuda0-cuda1-cpu",
         ),
     ],
@@ -131,7 +128,6 @@ def test_layers_on_gpu_and_cpu_match_one_device(checkpoint, layer_devices):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_from_pretrained_device_map_with_cpu_offload(checkpoint):
     """A layer mapped to "cpu" next to GPU layers is offloaded by accelerate: its weights stay
     on the CPU and it runs on cuda:0, where its pages are allocated."""

@@ -24,9 +24,7 @@ from m3_hf_attention import M3PagedCache, load_kernel
 from m3_hf_attention.cache import quantize_index_keys
 from model_utils import greedy, random_prompt, save_tiny_text_model
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
-
-FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8 = torch.float8_e4m3fn
 # The Triton tests run on the GPU where there is one, else in the CPU interpreter.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative
@@ -241,7 +239,6 @@ def test_triton_fp8_equals_torch_fp8(monkeypatch, page):
     """The Triton kernel (CPU interpreter here) on the same codes and scales selects
     what the torch path selects; only blocks whose dequantized scores are equal up to
     fp32 rounding (the two paths sum in a different order) may swap."""
-    pytest.importorskip("triton")
     kernel = load_kernel()
     g = torch.Generator().manual_seed(3)
     dim, heads, block, topk = 32, 2, 16, 4
@@ -291,7 +288,6 @@ def test_per_tensor_scale_is_a_filled_per_token_scale(monkeypatch, shape):
     monkeypatch.setenv("M3_SPARSE_IMPL", "torch")
     ref = run_index(kernel, *args, topk, block, index_k_scale=filled.to(DEV)).cpu()
     assert torch.equal(run_index(kernel, *args, topk, block, index_k_scale=one.to(DEV)).cpu(), ref)
-    pytest.importorskip("triton")
     monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
     tri_filled = canon(run_index(kernel, *args, topk, block, index_k_scale=filled.to(DEV)).cpu())
     tri_one = canon(run_index(kernel, *args, topk, block, index_k_scale=one.to(DEV)).cpu())
@@ -426,7 +422,6 @@ def test_generate_with_fp8_index_cache(sparse_model, monkeypatch):
 def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
     """index_fp8_dot is handed to the kernel, and the Triton path (interpreter) runs the
     model with fp8 index keys; without fp8_dot its logits equal the torch path's."""
-    pytest.importorskip("triton")
     # Index head dim 32: the smallest the fp8 tensor-core dot takes.
     save_tiny_text_model(tmp_path, seed=3, index_block_size=16, index_topk_blocks=2, index_head_dim=32)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="m3_sparse").eval().to(DEV)

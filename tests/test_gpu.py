@@ -11,10 +11,31 @@ import m3_hf_attention
 from m3_hf_attention.compare import assert_prefill_matches_sdpa
 from model_utils import greedy, random_prompt, save_tiny_text_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
+
+# Selections may differ from the float64 oracle only where two blocks tie: the kernel adds the
+# D = 128 products of bf16 rows in fp32 (about D * 2^-24 relative off the exact score), so a
+# swap of two blocks whose oracle scores lie within TIE_TOL * (1 + max |score|) is allowed, as
+# in tests/kernels/test_triton_index_topk.py. Distinct random blocks lie ~1e-2 apart or more.
+TIE_TOL = 1e-4
+
+
+def unexplained_rows(got, ref, scores, tol=TIE_TOL) -> list[str]:
+    """Rows of ``got`` (ids ascending, then -1) that differ from the oracle's ``ref`` other than
+    by swapping blocks whose scores (``scores[token][head, block]``) tie within ``tol``."""
+    bad = []
+    for t, h in (got != ref).any(-1).nonzero().tolist():
+        g = [x for x in got[t, h].tolist() if x >= 0]
+        r = [x for x in ref[t, h].tolist() if x >= 0]
+        s = scores[t][h].tolist() if t in scores else []
+        ok = len(g) == len(set(g)) == len(r) and all(x < len(s) for x in g)
+        if ok:
+            extra = sorted(set(g) - set(r), key=lambda x: -s[x])
+            missing = sorted(set(r) - set(g), key=lambda x: -s[x])
+            ok = all(abs(s[a] - s[b]) <= tol * (1 + max(abs(s[a]), abs(s[b]))) for a, b in zip(extra, missing))
+        if not ok:
+            bad.append(f"token {t} head {h}: oracle {r}, kernel {g}")
+    return bad
 
 
 def _varlen(device, g):
@@ -41,7 +62,8 @@ def test_kernel_ops_on_cuda_match_oracles(dtype):
     ref_sel, scores = kernel.reference.index_topk_ref(iq.cpu(), ik.cpu(), tables.cpu(), cu.cpu(), kv.cpu(), topk, block)
     got = torch.sort(torch.where(sel.cpu() < 0, 1 << 30, sel.cpu()), -1).values
     got = torch.where(got == 1 << 30, -1, got)
-    assert (got != ref_sel).any(-1).float().mean() < 0.01  # bf16 near-ties only
+    bad = unexplained_rows(got, ref_sel, scores)
+    assert not bad, f"{len(bad)} selection row(s) differ from the oracle beyond a tie; first: {bad[0]}"
 
     q = torch.randn(tq, hq, d, generator=g).to(dev, dtype)
     k = torch.randn(pages, hkv, page_size, d, generator=g).to(dev, dtype)

@@ -12,8 +12,6 @@ from m3_hf_attention import M3PagedCache
 from m3_hf_attention.compare import assert_prefill_matches_sdpa
 from model_utils import greedy, random_prompt, save_tiny_text_model
 
-pytest.importorskip("triton")
-
 BLOCK = 16  # the Triton kernels take power-of-two blocks of at least 16 keys
 
 

@@ -50,10 +50,71 @@ TOLERANCES = {
 LSE_TOL_FP8_MMA = 1e-4
 
 
+def fp8_mma(fp8: bool, impl: str = "triton") -> bool:
+    """Whether a dot on fp8 operands (``fp8``) run by ``impl`` ("torch" or "triton") adds its
+    products in Hopper's narrow accumulator: only a Triton kernel on a real GPU does; the torch
+    code and Triton's interpreter compute the dot in fp32, so they get the fp32 bounds."""
+    return fp8 and impl == "triton" and torch.cuda.is_available()
+
+
 def fp8_lse_tol(q: torch.Tensor, impl: str = "triton") -> float:
     """The lse bound of an attention op on ``q`` run by ``impl`` ("torch" or "triton")."""
-    fp8_mma = q.dtype == torch.float8_e4m3fn and impl == "triton" and torch.cuda.is_available()
-    return LSE_TOL_FP8_MMA if fp8_mma else TOLERANCES[torch.float32]
+    return LSE_TOL_FP8_MMA if fp8_mma(q.dtype == torch.float8_e4m3fn, impl) else TOLERANCES[torch.float32]
+
+
+def decode_bound(hq: int, hkv: int, d: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None, *,
+                 page_size: int = 16, block_size: int = 16, device: str | torch.device = "cpu") -> int:
+    """``dispatch.decode_max_queries`` for inputs of these shapes and dtypes (it reads nothing
+    else): ``sparse_attention`` runs the decode kernel while each sequence brings at most this
+    many query rows, KV-outer beyond."""
+    from m3_sparse import dispatch
+
+    q = torch.empty(1, hq, d, dtype=q_dtype, device=device)
+    kv = torch.empty(1, hkv, page_size, d, dtype=kv_dtype or q_dtype, device=device)
+    return dispatch.decode_max_queries(q, kv, kv, block_size)
+
+
+def kvouter_seqs(bound: int) -> list[tuple[int, int]]:
+    """(kv_len, q_len) of a batch that ``sparse_attention`` sends to KV-outer when the decode
+    bound is ``bound`` rows: one sequence of ``bound + 1`` new rows (the fewest that cross it)
+    after a few cached tokens, beside a chunk, a decode step and a sequence with no key."""
+    return [(bound + 20, bound + 1), (70, 9), (33, 1), (0, 2)]
+
+
+def spy(monkeypatch, owner, name: str, seen) -> None:
+    """Wrap ``owner.name`` so that each call, which still runs, hands its result to ``seen``:
+    how a test sees which branch of a dispatch ran, and what it made."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen(out)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def sparse_branches(monkeypatch) -> list[str]:
+    """The branch that each later ``sparse_attention`` call runs, in order: "decode" or
+    "kvouter", seen at the two functions of ``api`` the branches call (the public
+    ``sparse_decode_attention`` and ``kvouter_attention`` call them too)."""
+    from m3_sparse import api
+
+    ran = []
+    for branch in ("decode", "kvouter"):
+        spy(monkeypatch, api, f"_{branch}", lambda _, b=branch: ran.append(b))
+    return ran
+
+
+def partial_dtypes(monkeypatch) -> list[torch.dtype]:
+    """The dtype of the partials that each later KV-outer call (or slice of one) stores, seen
+    at its partials stage, the torch one or the kernels'."""
+    from m3_sparse import api
+
+    dtypes = []
+    for name in ("partials_torch", "_partials_gpu"):
+        spy(monkeypatch, api, name, lambda partials: dtypes.append(partials[0].dtype))
+    return dtypes
 
 
 def quantize_e4m3(x: torch.Tensor, amax: float | None = None) -> tuple[torch.Tensor, float]:
@@ -328,19 +389,17 @@ def _one_thread():
 def aot_compile(script: str, *args: str) -> dict:
     """Run an ahead-of-time compile script in a fresh interpreter without TRITON_INTERPRET
     (argv: the torch-ext folder, then ``args``) and return the dict it prints after
-    ``RESULT ``; skip when this Triton's compile API differs from the script's."""
+    ``RESULT ``. The scripts use Triton's compile API (``ASTSource``, ``GPUTarget``) of every
+    release the test extra allows: a script that fails, an ImportError included, fails."""
     import json
     import subprocess
 
-    pytest.importorskip("triton.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", script, str(TORCH_EXT), *args], capture_output=True, text=True, env=env, timeout=900
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if not lines:
-        if "ImportError" in proc.stderr or "cannot import name" in proc.stderr:
-            pytest.skip(f"Triton's ahead-of-time compile API differs: {proc.stderr.strip().splitlines()[-1]}")
         pytest.fail(f"compile script failed:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -359,3 +418,23 @@ def kernel_module(name: str):
         mod = importlib.reload(mod)
     return mod
 
+
+def gluon_expected() -> bool:
+    """Whether this machine should run the Gluon (sm_90) kernels: a Hopper GPU with the Triton
+    they are written for (the H200 of docs/PERF.md)."""
+    from m3_sparse.core import gluon
+
+    return (
+        torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+        and gluon.triton_version().startswith(gluon.TESTED_TRITON)
+    )  # fmt: skip
+
+
+def require_gluon(why: str | None, what: str) -> None:
+    """For a GPU test of a Gluon kernel that refuses its call for reason ``why`` (None: it takes
+    it): skip with the reason on a machine it is not written for, fail on one it is."""
+    if why is None:
+        return
+    if gluon_expected():
+        pytest.fail(f"{what} should run on this sm_90 GPU with this Triton, but: {why}")
+    pytest.skip(f"{what}: {why}")

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import m3_sparse
-from kernel_test_utils import gen, make_batch, randn, random_selection
-
+from kernel_test_utils import decode_bound, gen, make_batch, randn, random_selection, sparse_branches
 
 
 @pytest.fixture(autouse=True)
@@ -17,9 +16,9 @@ def torch_impl(monkeypatch):
     monkeypatch.setenv("M3_SPARSE_IMPL", "torch")
 
 
-def _problem(seed=0):
+def _problem(seed=0, seqs=((40, 3), (70, 70), (9, 2))):
     g = gen(seed)
-    batch = make_batch(g, [(40, 3), (70, 70), (9, 2)], 16)
+    batch = make_batch(g, list(seqs), 16)
     q = randn(g, batch.num_tokens, 4, 16)
     k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
     iq = randn(g, batch.num_tokens, 2, 16)
@@ -50,16 +49,25 @@ def test_ops_match_functions():
         q, k, v, sel, batch.block_tables, **kw, softmax_scale=0.25, block_size=16, return_lse=True
     )
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    # The dispatching op: both kernels, chosen by the bound on rows per sequence.
-    for rows in (2, 2048):
-        out, lse = ops.sparse_attention(
-            q, k, v, sel, batch.block_tables, kw["cu_seqlens_q"], kw["used_kv_lens"], rows, 0.25, True, 16
-        )
-        ref_out, ref_lse = m3_sparse.sparse_attention(
-            q, k, v, sel, batch.block_tables, **kw, max_seqlen_q=rows, softmax_scale=0.25, block_size=16,
-            return_lse=True,
-        )
-        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("past", [0, 1], ids=["at the bound", "past the bound"])
+def test_dispatching_op_matches_the_function(past, monkeypatch):
+    """The dispatching op runs the branch the function runs: decode with a sequence of as
+    many query rows as the bound, KV-outer with one row more."""
+    bound = decode_bound(4, 2, 16, torch.float32)
+    rows = bound + past
+    batch, q, k, v, _, _, sel = _problem(3, seqs=((rows + 20, rows), (9, 2)))
+    kw = batch.kwargs()
+    ran = sparse_branches(monkeypatch)
+    out, lse = m3_sparse.ops.sparse_attention(
+        q, k, v, sel, batch.block_tables, kw["cu_seqlens_q"], kw["used_kv_lens"], rows, 0.25, True, 16
+    )
+    ref_out, ref_lse = m3_sparse.sparse_attention(
+        q, k, v, sel, batch.block_tables, **kw, max_seqlen_q=rows, softmax_scale=0.25, block_size=16, return_lse=True
+    )
+    assert ran == 2 * ["kvouter" if past else "decode"]
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 def test_opcheck():

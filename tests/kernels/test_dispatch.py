@@ -9,7 +9,17 @@ import torch
 import m3_sparse
 from m3_sparse import dispatch as _dispatch
 from m3_sparse.core.args import AttnArgs
-from kernel_test_utils import gen, make_batch, randn, random_selection
+from kernel_test_utils import (
+    TOLERANCES,
+    assert_close,
+    decode_bound,
+    gen,
+    make_batch,
+    randn,
+    random_selection,
+    sparse_branches,
+)
+from m3_sparse.reference import sparse_attention_ref
 
 
 def test_auto_runs_torch_on_cpu(monkeypatch):
@@ -42,7 +52,7 @@ def test_explicit_triton_refuses_unsupported_shapes(monkeypatch):
         m3_sparse.index_topk(iq, ik, tables, **kw, topk=2, block_size=16)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
     monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)
     q = torch.zeros(4, 4, 8, device="cuda")
@@ -54,29 +64,42 @@ def test_auto_on_cuda_takes_torch_for_shapes_the_kernel_lacks(monkeypatch):
         assert _dispatch.use_triton(q, _dispatch.kvouter_unsupported(args)) == triton
 
 
-def test_sparse_attention_picks_the_kernel_from_the_row_bound(monkeypatch):
-    """Query-outer decode up to decode_max_queries() rows per sequence, KV-outer beyond;
-    the bound comes from the host (max_seqlen_q, else the token count), both agree."""
-    from m3_sparse import api
-
+@pytest.mark.parametrize(
+    "longest,max_seqlen_q,want",
+    [
+        ("bound", None, "kvouter"),  # no max_seqlen_q: the token count (past the bound) stands in
+        ("bound", "bound", "decode"),
+        ("bound", "bound + 1", "kvouter"),  # a looser upper bound than needed
+        ("bound + 1", "bound + 1", "kvouter"),
+        ("half", "half", "decode"),  # two such sequences: more rows than the bound together
+        ("half", None, "kvouter"),
+    ],
+)
+def test_sparse_attention_picks_the_kernel_from_the_row_bound(longest, max_seqlen_q, want, monkeypatch):
+    """Query-outer decode while each sequence brings at most decode_max_queries() rows, KV-outer
+    beyond: the bound crossed from both sides, the rows per sequence from the host
+    (max_seqlen_q, else the token count). Each call against the oracle."""
+    monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)  # the CPU runs both branches in torch
+    limit = decode_bound(4, 2, 16, torch.float32)
+    assert limit == _dispatch.DECODE_MAX_QUERIES_TL  # G = 2: KV-outer runs the tl kernel
+    rows = {None: None, "bound": limit, "bound + 1": limit + 1, "half": limit // 2 + 1}
+    n = rows[longest]
+    seqs = [(n + 8, n), (n + 4, n)] if longest == "half" else [(n + 30, n), (40, 3)]
     g = gen(8)
-    batch = make_batch(g, [(90, 6), (40, 3)], 16)
+    batch = make_batch(g, seqs, 16)
+    assert batch.num_tokens > limit
     q = randn(g, batch.num_tokens, 4, 16)
     k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
     sel = random_selection(g, batch, 2, 3, 16)
-    seen = []
-    for name in ("_decode", "_kvouter"):
-        real = getattr(api, name)
-        monkeypatch.setattr(api, name, lambda *a, _r=real, _n=name, **kw: seen.append(_n) or _r(*a, **kw))
     args = (q, k, v, sel, batch.block_tables)
-    limit = _dispatch.decode_max_queries(q, k, v, 16)
-    assert limit == _dispatch.DECODE_MAX_QUERIES_TL  # G = 2: KV-outer runs the tl kernel
-    a, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16)
-    b, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit)
-    c, _ = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=limit + 1)
-    assert seen == ["_decode", "_decode"] + (["_kvouter"] if batch.num_tokens > limit else ["_decode"])
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(a, c, rtol=0, atol=0)
+    ran = sparse_branches(monkeypatch)
+    out, lse = m3_sparse.sparse_attention(
+        *args, **batch.kwargs(), block_size=16, max_seqlen_q=rows[max_seqlen_q], return_lse=True
+    )
+    assert ran == [want]
+    ref = sparse_attention_ref(*args, batch.cu_seqlens_q, batch.used_kv_lens, None, True, 16)
+    assert_close("out", ref[0], out, TOLERANCES[torch.float32])
+    assert_close("lse", ref[1], lse, TOLERANCES[torch.float32])
 
 
 def test_decode_row_bound_follows_the_kvouter_kernel(monkeypatch):

@@ -20,21 +20,22 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
-
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
     assert_close,
+    decode_bound,
     fp8_lse_tol,
     gen,
     is_poisoned,
     kernel_module,
+    kvouter_seqs,
     make_batch,
     poisoned_allocations,
     quantize_e4m3,
     randn,
     random_selection,
+    sparse_branches,
 )
 from m3_sparse.reference import dense_attention_ref, sparse_attention_ref  # noqa: E402
 
@@ -51,9 +52,9 @@ FP8_TOL = {torch.bfloat16: 2 * TOLERANCES[torch.bfloat16], torch.float16: 2 * TO
 SEQS = [(150, 150), (70, 9), (33, 1), (0, 2), (129, 4)]
 
 
-def problem(seed, page_size=16, hq=8, hkv=2, d=32, topk=4, block_size=16, causal=True):
+def problem(seed, page_size=16, hq=8, hkv=2, d=32, topk=4, block_size=16, causal=True, seqs=SEQS):
     g = gen(seed)
-    batch = make_batch(g, SEQS, page_size)
+    batch = make_batch(g, seqs, page_size)
     q = randn(g, batch.num_tokens, hq, d)
     k = batch.kv_cache(g, hkv, d)
     v = batch.kv_cache(g, hkv, d)
@@ -64,11 +65,21 @@ def problem(seed, page_size=16, hq=8, hkv=2, d=32, topk=4, block_size=16, causal
 OPS = {
     "kvouter": lambda *a, **kw: m3_sparse.kvouter_attention(*a, **kw),
     "decode": lambda *a, **kw: m3_sparse.sparse_decode_attention(*a, **kw),
-    # max_seqlen_q below every sequence's rows: the decode branch; above: KV-outer.
+    # max_seqlen_q below every sequence's rows: the decode branch; above: KV-outer, over a batch
+    # with a sequence past the decode bound (problem_seqs).
     "sparse_decode": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=1, **kw),
     "sparse_kvouter": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=4096, **kw),
     "dense": lambda q, k, v, sel, bt, block_size, **kw: m3_sparse.dense_paged_attention(q, k, v, bt, **kw),
 }
+SPARSE_BRANCH = {"sparse_decode": "decode", "sparse_kvouter": "kvouter"}
+
+
+def problem_seqs(op, q_dtype, page_size=16):
+    """SEQS, or for "sparse_kvouter" a batch with one sequence past the decode bound of such
+    inputs (SEQS alone runs the decode kernel)."""
+    if op != "sparse_kvouter":
+        return SEQS
+    return kvouter_seqs(decode_bound(8, 2, 32, q_dtype, FP8, page_size=page_size, device=DEVICE))
 
 
 def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, op="kvouter", **kw):
@@ -76,6 +87,7 @@ def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, op="
     args = [x.to(DEVICE) for x in (q, k, v, sel, batch.block_tables)]
     if op != "kvouter":
         kw.pop("max_workspace_bytes", None)
+    ran = sparse_branches(monkeypatch)
     with poisoned_allocations():
         out, lse = OPS[op](
             *args,
@@ -88,6 +100,7 @@ def run(batch, q, k, v, sel, impl, monkeypatch, block_size=16, causal=True, op="
             **kw,
         )
     assert not is_poisoned(out).any() and not is_poisoned(lse).any()
+    assert op not in SPARSE_BRANCH or ran == [SPARSE_BRANCH[op]], f"{op} ran {ran}"
     return out.cpu(), lse.cpu()
 
 
@@ -107,7 +120,8 @@ IMPLS = ["torch", "triton"]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("fp8_q", [True, False], ids=["q8", "q16"])
 def test_fp8_caches(op, impl, causal, fp8_q, monkeypatch):
-    batch, q, k, v, sel = problem(3 + int(causal) + 2 * int(fp8_q) + 4 * list(OPS).index(op), causal=causal)
+    seed = 3 + int(causal) + 2 * int(fp8_q) + 4 * list(OPS).index(op)
+    batch, q, k, v, sel = problem(seed, causal=causal, seqs=problem_seqs(op, FP8 if fp8_q else torch.bfloat16))
     k8, ks = quantize_e4m3(k)
     v8, vs = quantize_e4m3(v)
     if fp8_q:
@@ -128,7 +142,7 @@ def test_fp8_caches(op, impl, causal, fp8_q, monkeypatch):
 def test_tensor_scales_fp16_output_and_slices(op, impl, monkeypatch):
     # Scales as one-element device tensors (what a quantizer computes without a sync), an
     # fp16 output, and a workspace budget small enough that the rows run in slices.
-    batch, q, k, v, sel = problem(11, page_size=64, topk=3)
+    batch, q, k, v, sel = problem(11, page_size=64, topk=3, seqs=problem_seqs(op, FP8, page_size=64))
     q8, qs = quantize_e4m3(q)
     k8, ks = quantize_e4m3(k)
     v8, vs = quantize_e4m3(v)

@@ -21,20 +21,23 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
-
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
     assert_close,
+    decode_bound,
     fp8_lse_tol,
+    fp8_mma,
     gen,
     kernel_module,
+    kvouter_seqs,
     make_batch,
+    partial_dtypes,
     poisoned_allocations,
     quantize_e4m3,
     randn,
     random_selection,
+    sparse_branches,
 )
 from m3_sparse import api, dispatch  # noqa: E402
 from m3_sparse.kvouter.plan import KVOuterConfig  # noqa: E402
@@ -65,7 +68,7 @@ L_TOL_FP8_MMA = 2e-3
 
 
 def l_tol(q: torch.Tensor) -> float:
-    return L_TOL_FP8_MMA if q.dtype == FP8 and HAS_CUDA else LSE_TOL
+    return L_TOL_FP8_MMA if fp8_mma(q.dtype == FP8) else LSE_TOL
 
 
 SEQS = [(150, 150), (70, 9), (33, 1), (0, 2), (129, 4)]
@@ -115,10 +118,15 @@ def oracle(batch, sel, qkv, scales, causal=True, block_size=16, fp8_q=True):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("fp8_q", [True, False], ids=["q8", "q16"])
 def test_matches_the_oracle(op, impl, causal, fp8_q, monkeypatch):
-    batch, sel, qkv, scales = problem(40 + 2 * causal + fp8_q + 4 * (op == "sparse"), causal=causal)
+    # "sparse": sparse_attention over a sequence past the decode bound, which takes KV-outer.
+    q_dtype = FP8 if fp8_q else BF16
+    seqs = SEQS if op == "kvouter" else kvouter_seqs(decode_bound(8, 2, 32, q_dtype, FP8, device=DEVICE))
+    batch, sel, qkv, scales = problem(40 + 2 * causal + fp8_q + 4 * (op == "sparse"), seqs=seqs, causal=causal)
     if not fp8_q:
         qkv = (qkv[0].float().mul(scales[0]).to(BF16),) + qkv[1:]
+    ran, stored = sparse_branches(monkeypatch), partial_dtypes(monkeypatch)
     out, lse = run_op(batch, sel, qkv, scales, impl, monkeypatch, op=op, causal=causal)
+    assert ran == ["kvouter"] and stored == [FP8], f"ran {ran}, partials stored as {stored}"
     ref_o, ref_lse = oracle(batch, sel, qkv, scales, causal, fp8_q=fp8_q)
     assert_close("out", ref_o, out, PARTIAL_TOL)
     assert_close("lse", ref_lse, lse, fp8_lse_tol(qkv[0], impl))
@@ -130,7 +138,9 @@ def test_slices_fp16_output_and_tensor_scales(impl, monkeypatch):
     # byte per partial value now), an fp16 output, scales as device tensors.
     batch, sel, qkv, scales = problem(51, page_size=64, topk=3)
     t_scales = tuple(torch.tensor([s], device=DEVICE) for s in scales)
+    stored = partial_dtypes(monkeypatch)
     out, lse = run_op(batch, sel, qkv, t_scales, impl, monkeypatch, out_dtype=torch.float16, max_workspace_bytes=4096)
+    assert len(stored) > 1 and set(stored) == {FP8}, f"partials of the slices stored as {stored}"
     ref_o, ref_lse = oracle(batch, sel, qkv, scales)
     assert_close("out", ref_o, out, PARTIAL_TOL)
     assert_close("lse", ref_lse, lse, fp8_lse_tol(qkv[0], impl))
@@ -225,7 +235,7 @@ def test_combine_of_normalized_partials(group, topk, d, return_lse):
         assert_close("combine lse", ref_lse.cpu(), lse.cpu(), LSE_TOL)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"] + (["triton-tl"] if HAS_CUDA else []))
+@pytest.mark.parametrize("impl", ["torch", "triton", pytest.param("triton-tl", marks=pytest.mark.gpu)])
 def test_rows_at_the_largest_value_saturate_not_overflow(impl, monkeypatch):
     # Every V value is +-448 (e4m3's largest): O / l is 448 times sum(round(p)) / sum(p),
     # which bf16 rounding of P pushes past 448 in about half the rows. Each path must store
@@ -373,24 +383,23 @@ def test_custom_ops_take_the_partial_dtype():
     assert_close("op out", ref_o, got, PARTIAL_TOL)
 
 
-if HAS_CUDA:
-
-    @pytest.mark.parametrize("engine", ["auto", "triton"])
-    @pytest.mark.parametrize("page_size", [64, 128])
-    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-    def test_m3_shapes_on_cuda(engine, page_size, causal):
-        # G = 16, D = 128, 128-key blocks: the TMA kernel on sm_90 under "auto".
-        seqs = [(1500, 1500), (700, 333), (260, 1)]
-        batch, sel, qkv, scales = problem(
-            90 + page_size + causal, seqs=seqs, page_size=page_size, hq=32, hkv=2, d=128, topk=8, block_size=128,
-            causal=causal,
-        )  # fmt: skip
-        index, s, ref, got = _stages(batch, sel, qkv, scales, block_size=128, causal=causal, engine=engine)
-        dead = ref[1] == float("-inf")
-        assert torch.equal(got[1] == float("-inf"), dead)
-        assert torch.all(got[0].float()[dead] == 0) and not torch.isnan(got[0].float()).any()
-        assert_close("partial_o", ref[0].float(), got[0].float(), STAGE_TOL)
-        assert_close("partial_l", ref[2], got[2], l_tol(qkv[0]))
-        out, _ = tcomb.combine_triton(*got, index.slot_of, out_dtype=BF16, o_scale=s[2:])
-        ref_o, _ = oracle(batch, sel, qkv, scales, causal, block_size=128)
-        assert_close("out", ref_o, out.cpu(), PARTIAL_TOL)
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["auto", "triton"])
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_m3_shapes_on_cuda(engine, page_size, causal):
+    # G = 16, D = 128, 128-key blocks: the TMA kernel on sm_90 under "auto".
+    seqs = [(1500, 1500), (700, 333), (260, 1)]
+    batch, sel, qkv, scales = problem(
+        90 + page_size + causal, seqs=seqs, page_size=page_size, hq=32, hkv=2, d=128, topk=8, block_size=128,
+        causal=causal,
+    )  # fmt: skip
+    index, s, ref, got = _stages(batch, sel, qkv, scales, block_size=128, causal=causal, engine=engine)
+    dead = ref[1] == float("-inf")
+    assert torch.equal(got[1] == float("-inf"), dead)
+    assert torch.all(got[0].float()[dead] == 0) and not torch.isnan(got[0].float()).any()
+    assert_close("partial_o", ref[0].float(), got[0].float(), STAGE_TOL)
+    assert_close("partial_l", ref[2], got[2], l_tol(qkv[0]))
+    out, _ = tcomb.combine_triton(*got, index.slot_of, out_dtype=BF16, o_scale=s[2:])
+    ref_o, _ = oracle(batch, sel, qkv, scales, causal, block_size=128)
+    assert_close("out", ref_o, out.cpu(), PARTIAL_TOL)

@@ -338,7 +338,7 @@ def test_kv_lens_smaller_than_query_count_is_accepted():
     call_dense(a)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+@pytest.mark.gpu  # a second device: CUDA beside the CPU
 @pytest.mark.parametrize("entry,key", [
     ("kvouter_attention", "k_cache"),
     ("kvouter_attention", "selected"),

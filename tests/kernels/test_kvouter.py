@@ -359,12 +359,14 @@ def test_combine_matches_lse_merge(dtype, hkv, group, topk):
 
 
 def test_combine_defaults():
+    """No out_dtype: the partials' dtype; no return_lse: no lse. The values are the merge's."""
     g = gen(40)
     po = randn(g, 6, 2, 4, dtype=torch.bfloat16)
-    pm, pl = randn(g, 6, 2), torch.ones(6, 2)
+    pm, pl = randn(g, 6, 2), torch.rand(6, 2, generator=g) + 0.5
     slot_of = torch.arange(6, dtype=torch.int32).view(3, 1, 2)
     out, lse = m3_sparse.combine(po, pm, pl, slot_of)
     assert out.dtype == torch.bfloat16 and out.shape == (3, 2, 4) and lse is None
+    assert_close("combine out", lse_merge(po, pm, pl, slot_of)[0], out, TOLERANCES[torch.bfloat16])
 
 
 # --------------------------------------------------------------------------- composed

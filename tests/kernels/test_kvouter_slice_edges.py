@@ -13,8 +13,6 @@ must give the unsliced result whatever the batch holds:
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -23,11 +21,6 @@ from kernel_test_utils import TOLERANCES, assert_close, gen, make_batch, randn, 
 from m3_sparse.reference import sparse_attention_ref
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-pytestmark = pytest.mark.skipif(
-    "max_workspace_bytes" not in inspect.signature(m3_sparse.kvouter_attention).parameters,
-    reason="kvouter_attention has no workspace budget here",
-)
 
 CASES = {
     # (seqs [(kv_len, q_len)], causal, extra block-table columns)

@@ -35,16 +35,12 @@ from kernel_test_utils import (
 )
 from m3_sparse.reference import dense_attention_ref, index_topk_ref, sparse_attention_ref
 
-try:
-    import triton
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
+import triton  # noqa: F401  (a test dependency: the Triton paths below run its kernels)
 
 HAS_CUDA = torch.cuda.is_available()
 # CPU tensors reach the Triton kernels only through the interpreter (conftest sets
 # TRITON_INTERPRET=1 without CUDA); with CUDA they get CUDA copies of the inputs.
 TRITON_DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
-needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable")
 
 TOL = TOLERANCES[torch.float32]
 PAGE_SIZES = [16, 32, 64]
@@ -221,7 +217,6 @@ def test_kvouter_torch_matches_reference(c):
     run_kvouter(c, "torch")
 
 
-@needs_triton
 @_settings(TRITON_EXAMPLES)
 @given(c=attention_cases(TRITON_TOKENS, TRITON_BLOCK_SIZES, [8, 16]))
 @corner(
@@ -332,7 +327,6 @@ def test_index_topk_torch_matches_reference(c):
     run_index(c, "torch")
 
 
-@needs_triton
 @_settings(TRITON_EXAMPLES)
 @given(
     c=index_cases(INDEX_TRITON_TOKENS, [16, 32, 64, 128], [16, 32]),

@@ -8,8 +8,6 @@ falsifying example prints as the same short dict of parameters.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from hypothesis import given
@@ -31,7 +29,6 @@ from test_properties import (
     index_dtypes,
     int_args,
     layouts,
-    needs_triton,
     seeds,
     varlen,
 )
@@ -39,13 +36,10 @@ from test_properties import (
 HAS_CUDA = torch.cuda.is_available()
 # Interpreter examples cost about a second each at these sizes; a GPU takes many more.
 TRITON_EXAMPLES = 40 if HAS_CUDA else 10
-HAS_DECODE = hasattr(m3_sparse, "sparse_decode_attention")
-HAS_BUDGET = "max_workspace_bytes" in inspect.signature(m3_sparse.kvouter_attention).parameters
 
 
 # One test per mask, each with half the examples: on a GPU nearly every example compiles new
 # kernel variants, and two tests let pytest-xdist run the halves side by side.
-@needs_triton
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @_settings(TRITON_EXAMPLES // 2)
 @given(
@@ -106,15 +100,12 @@ def decode_cases(max_tokens, block_sizes):
     )
 
 
-@pytest.mark.skipif(not HAS_DECODE, reason="no sparse_decode_attention in this tree")
 @_settings(40)
 @given(c=decode_cases(96, TORCH_BLOCK_SIZES))
 def test_decode_torch_matches_reference(c):
     run_sparse(c, "torch", torch.device("cpu"), m3_sparse.sparse_decode_attention)
 
 
-@needs_triton
-@pytest.mark.skipif(not HAS_DECODE, reason="no sparse_decode_attention in this tree")
 @_settings(TRITON_EXAMPLES)
 @given(c=decode_cases(TRITON_TOKENS, TRITON_BLOCK_SIZES))
 def test_decode_triton_matches_reference(c):
@@ -127,18 +118,15 @@ def sliced_cases(max_tokens, block_sizes):
     )
 
 
-@pytest.mark.skipif(not HAS_BUDGET, reason="kvouter_attention has no workspace budget here")
 @_settings(20)
 @given(c=sliced_cases(96, TORCH_BLOCK_SIZES))
 def test_kvouter_sliced_torch_matches_reference(c):
     run_sparse(c, "torch", torch.device("cpu"), m3_sparse.kvouter_attention)
 
 
-@needs_triton
-@pytest.mark.skipif(not HAS_BUDGET, reason="kvouter_attention has no workspace budget here")
 # Every slice is a launch of each kernel: in the interpreter that is seconds per example,
 # and test_kvouter_chunks.py / test_kvouter_slice_edges.py cover the Triton slices there.
-@pytest.mark.skipif(not HAS_CUDA, reason="too slow in the Triton interpreter")
+@pytest.mark.gpu
 @_settings(TRITON_EXAMPLES)
 @given(c=sliced_cases(TRITON_TOKENS, TRITON_BLOCK_SIZES))
 def test_kvouter_sliced_triton_matches_reference(c):

@@ -106,7 +106,7 @@ def test_forced_triton_rejects_strided_head_dim_by_name(op, arg, monkeypatch):
     assert name in str(info.value), f"rejection does not name {name}: {info.value}"
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="the automatic choice runs Triton only on CUDA tensors")
+@pytest.mark.gpu  # the automatic choice runs Triton only on CUDA tensors
 @pytest.mark.parametrize("arg", ["q", "k", "v"])
 def test_auto_takes_a_strided_head_dim(arg, monkeypatch):
     """In the automatic mode a layout the kernel does not take runs the torch code
@@ -175,7 +175,6 @@ def test_debug_reads_device_values(value, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "case,arg",
     [

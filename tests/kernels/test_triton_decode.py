@@ -23,8 +23,6 @@ if not HAS_CUDA:
     # first import of the kernel module (it is re-decorated below if it came too late).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
-
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
@@ -430,52 +428,56 @@ def test_kernels_compile_for_sm90():
 
 # --------------------------------------------------------------------------- CUDA, full size
 
-if HAS_CUDA:
 
-    @pytest.mark.parametrize("hq,hkv", [(64, 4), (32, 8), (16, 16), (128, 1)])
-    @pytest.mark.parametrize("page_size", [64, 128])
-    def test_m3_shapes_match_torch_cuda(hq, hkv, page_size):
-        seqs = [(5000, 1), (129, 16), (77, 3), (1300, 4), (2048, 8)]
-        batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16)
-        qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
-        ref = decode_torch(
-            qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=128**-0.5, causal=True,
-            block_size=128, return_lse=True,
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(64, 4), (32, 8), (16, 16), (128, 1)])
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_m3_shapes_match_torch_cuda(hq, hkv, page_size):
+    seqs = [(5000, 1), (129, 16), (77, 3), (1300, 4), (2048, 8)]
+    batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16)
+    qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    ref = decode_torch(
+        qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=128**-0.5, causal=True,
+        block_size=128, return_lse=True,
+    )
+    for splits in (None, 1, 8):
+        out, lse = _run_triton(batch, q, k, v, sel, 128, num_splits=splits)
+        assert_close("out", ref[0].float(), out.float(), TOLERANCES[torch.bfloat16])
+        assert_close("lse", ref[1], lse, LSE_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,num_stages,num_warps", [(32, 2, 4), (64, 3, 4), (128, 2, 8), (128, 3, 4)])
+def test_launch_variants_cuda(block_n, num_stages, num_warps):
+    batch, q, k, v, sel = _setup(block_n, [(4000, 2), (300, 5)], 64, 128, 64, 4, 128, 16, torch.bfloat16)
+    ref = _oracle(batch, q, k, v, sel, 128)
+    out, lse = _run_triton(
+        batch, q, k, v, sel, 128, num_splits=4, block_n=block_n, num_stages=num_stages, num_warps=num_warps
+    )
+    _check("triton", ref, out, lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    batch, q, k, v, sel = _setup(77, [(3000, 1), (900, 1), (40, 1)], 128, 128, 64, 4, 128, 16, torch.bfloat16)
+    qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+
+    def call():
+        return m3_sparse.sparse_decode_attention(
+            qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, block_size=128, return_lse=True
         )
-        for splits in (None, 1, 8):
-            out, lse = _run_triton(batch, q, k, v, sel, 128, num_splits=splits)
-            assert_close("out", ref[0].float(), out.float(), TOLERANCES[torch.bfloat16])
-            assert_close("lse", ref[1], lse, LSE_TOL)
 
-    @pytest.mark.parametrize("block_n,num_stages,num_warps", [(32, 2, 4), (64, 3, 4), (128, 2, 8), (128, 3, 4)])
-    def test_launch_variants_cuda(block_n, num_stages, num_warps):
-        batch, q, k, v, sel = _setup(block_n, [(4000, 2), (300, 5)], 64, 128, 64, 4, 128, 16, torch.bfloat16)
-        ref = _oracle(batch, q, k, v, sel, 128)
-        out, lse = _run_triton(
-            batch, q, k, v, sel, 128, num_splits=4, block_n=block_n, num_stages=num_stages, num_warps=num_warps
-        )
-        _check("triton", ref, out, lse, torch.bfloat16)
-
-    def test_cuda_graph_capture_and_replay():
-        batch, q, k, v, sel = _setup(77, [(3000, 1), (900, 1), (40, 1)], 128, 128, 64, 4, 128, 16, torch.bfloat16)
-        qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
-
-        def call():
-            return m3_sparse.sparse_decode_attention(
-                qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, block_size=128, return_lse=True
-            )
-
-        call()  # compile outside the capture
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = call()
+    # Replayed twice: the arrival counts of the in-place split merge start from zero
+    # at every replay (a stale count would leave rows unmerged or merged early).
+    for _ in range(2):
+        qd.copy_(torch.randn_like(qd))
+        g_out.fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_lse = call()
-        # Replayed twice: the arrival counts of the in-place split merge start from zero
-        # at every replay (a stale count would leave rows unmerged or merged early).
-        for _ in range(2):
-            qd.copy_(torch.randn_like(qd))
-            g_out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            out, lse = call()
-            assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+        out, lse = call()
+        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)

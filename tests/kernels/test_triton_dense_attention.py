@@ -19,7 +19,6 @@ if not HAS_CUDA:
     # first import of the kernel module (it is re-decorated below if it came too late).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
 
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
@@ -213,7 +212,7 @@ def test_bad_num_splits():
             _run(batch, q, k, v, True, num_splits=bad)
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="M3 decode sizes need the GPU")
+@pytest.mark.gpu  # M3 decode sizes
 def test_m3_decode_key_splits_agree():
     # Batch 8 of one token over 8K contexts at M3's heads: the default split count (several
     # on a GPU), one split, and the torch code agree.

@@ -24,9 +24,15 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton")
-
-from kernel_test_utils import gen, is_poisoned, make_batch, poisoned_allocations, randn  # noqa: E402
+from kernel_test_utils import (  # noqa: E402
+    fp8_mma,
+    gen,
+    is_poisoned,
+    make_batch,
+    poisoned_allocations,
+    randn,
+    require_gluon,
+)
 from m3_sparse.reference import index_topk_ref  # noqa: E402
 import m3_sparse  # noqa: E402
 from m3_sparse.index.plan import IndexConfig  # noqa: E402
@@ -60,6 +66,14 @@ TIE_TOL = 1e-4
 # a 128-term score can be off by ~1e-3 of the sum of its products' magnitudes, up to
 # ~4e-3 of the score itself (seen on the H200: two blocks 3.5e-3 apart swapped places).
 FP8_TIE_TOL = 1e-2
+
+
+def tie_tol(fp8_dot: bool) -> float:
+    """The swap tolerance of a kernel's scores: Hopper's fp8 bound only where its fp8 MMA runs
+    (a GPU); the interpreter computes the fp8 dot in fp32."""
+    return FP8_TIE_TOL if fp8_mma(fp8_dot) else TIE_TOL
+
+
 # Head dim and index heads of the test problems; lengths scale with SCALE.
 DIM = 128 if ON_GPU else 32  # 32: the fp8 dot needs an index head dim of at least 32
 HEADS = 4 if ON_GPU else 3
@@ -387,7 +401,6 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * (scale if scale.numel() == 1 else scale[..., None])
 
 
-@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("fp8_dot", [False, True])
 @pytest.mark.parametrize("num_splits", [None, 3])
@@ -413,7 +426,7 @@ def test_fp8_keys(num_splits, fp8_dot, per_tensor):
         )
     ref, scores = dense_oracle(q_rows, k_deq, batch, 6, 64, 1)
     # Hopper's fp8 MMA accumulates with fewer than fp32's mantissa bits.
-    check(batch, out, ref, scores, 6, 64, 1, tol=FP8_TIE_TOL if fp8_dot else TIE_TOL)
+    check(batch, out, ref, scores, 6, 64, 1, tol=tie_tol(fp8_dot))
 
 
 KEY_MAJOR_CASES = [
@@ -435,8 +448,6 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
     default choice (key_major None) select what the oracle selects: decode rows,
     speculative rows and a chunk after a cache; key tiles within one page, over several
     pages, and two tiles per block."""
-    if keys != "bf16" and not hasattr(torch, "float8_e4m3fn"):
-        pytest.skip("no float8 in this torch")
     g = gen(1300 + block_m + page_size + (7 if key_major else 0))
     # The 4-row sequence straddles a block boundary: its rows cut the same key tile differently.
     seqs = [(9 * block_size + 5, 1), (3 * block_size + 2, 4), (5 * SCALE * block_size + 17, 9), (block_size // 2, 1)]
@@ -471,18 +482,20 @@ def test_key_major_scores(page_size, block_size, tiles, block_m, key_major, keys
             index_k_scale=scale.to(DEVICE), fp8_dot=dot, **launch,
         )
     ref, scores = dense_oracle(q_rows, dequantize(codes, scale), batch, 5, block_size, 1)
-    check(batch, out, ref, scores, 5, block_size, 1, tol=FP8_TIE_TOL if dot else TIE_TOL)
+    check(batch, out, ref, scores, 5, block_size, 1, tol=tie_tol(dot))
 
 
-def _gluon_platform_reason():
+@pytest.fixture
+def gluon_platform():
+    """The device query of the Gluon tests, made when they run: skip with the reason where the
+    Gluon kernels cannot run, fail where they should."""
     from m3_sparse.core.gluon import platform_reason
 
-    if not ON_GPU:
-        return "no CUDA device"
-    return platform_reason(torch.cuda.current_device())
+    require_gluon(platform_reason(torch.cuda.current_device()), "the Gluon index kernel")
 
 
-@pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gluon_platform")
 @pytest.mark.parametrize("page_size", [64, 128])
 @pytest.mark.parametrize("keys", ["bf16", "fp8_tensor_dot", "fp8_token_dot"])
 @pytest.mark.parametrize("topk,local", [(16, 1), (4, 2), (7, 0)])
@@ -501,7 +514,7 @@ def test_gluon_prefill_engine(page_size, keys, topk, local):
         ik = torch.where(ik.isnan(), float("nan"), codes.float()).to(torch.float8_e4m3fn)
         kw.update(index_k_scale=scale.to(DEVICE), fp8_dot=True)
         q_rows = (q_rows * (448.0 / q_rows.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn).float()
-        k_ref, tol = dequantize(codes, scale), FP8_TIE_TOL
+        k_ref, tol = dequantize(codes, scale), tie_tol(True)
     tables, cu, kv = (x.to(DEVICE) for x in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
     args = (iq.to(DEVICE), ik.to(DEVICE), tables)
     if keys == "fp8_token_dot" and page_size < 128:
@@ -541,7 +554,8 @@ def test_engine_choice_is_checked():
                            index_k_scale=shifted, fp8_dot=True, num_splits=1, engine="tma")
 
 
-@pytest.mark.skipif(_gluon_platform_reason() is not None, reason=f"Gluon index kernel: {_gluon_platform_reason()}")
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gluon_platform")
 @pytest.mark.parametrize("keys,expect_gluon", [("bf16", False), ("fp8_tensor_dot", True), ("fp8_token_dot", False)])
 def test_auto_engine_takes_gluon_where_faster(monkeypatch, keys, expect_gluon):
     """engine='auto' runs the Gluon kernel only for fp8 keys with one scale (where it

@@ -20,8 +20,6 @@ if not HAS_CUDA:
     # first import of the kernel modules; kernels decorated earlier are re-decorated below.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-triton = pytest.importorskip("triton")
-
 import m3_sparse  # noqa: E402
 from kernel_test_utils import (  # noqa: E402
     TOLERANCES,
@@ -33,6 +31,7 @@ from kernel_test_utils import (  # noqa: E402
     poisoned_allocations,
     randn,
     random_selection,
+    require_gluon,
 )
 from m3_sparse import api  # noqa: E402
 from m3_sparse.kvouter.plan import KVOuterConfig  # noqa: E402
@@ -45,8 +44,7 @@ from m3_sparse.kvouter import plan as kplan  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
 LSE_TOL = TOLERANCES[torch.float32]
-if HAS_CUDA:
-    HEADS_BIG = [(8, 8), (16, 4), (32, 4), (64, 4)]
+HEADS_BIG = [(8, 8), (16, 4), (32, 4), (64, 4)]
 
 
 def _to(dev, *xs):
@@ -152,25 +150,26 @@ def test_partials_all_slots_empty():
     _check_partials(index, got, ref, torch.float32)
 
 
-if HAS_CUDA:
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", HEADS_BIG)
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_partials_match_torch_cuda(hq, hkv, page_size, causal):
+    seqs = [(1000, 300), (77, 77), (129, 1), (640, 128)]
+    batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16, causal)
+    index, got, ref = _run_partials(
+        batch, q, k, v, sel, 128, causal, 128**-0.5, kplan.default_tile_q(hq // hkv), 132
+    )
+    _check_partials(index, got, ref, torch.bfloat16)
 
-    @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
-    @pytest.mark.parametrize("page_size", [64, 128])
-    @pytest.mark.parametrize("causal", [True, False])
-    def test_partials_match_torch_cuda(hq, hkv, page_size, causal):
-        seqs = [(1000, 300), (77, 77), (129, 1), (640, 128)]
-        batch, q, k, v, sel = _setup(hq + page_size, seqs, page_size, 128, hq, hkv, 128, 16, torch.bfloat16, causal)
-        index, got, ref = _run_partials(
-            batch, q, k, v, sel, 128, causal, 128**-0.5, kplan.default_tile_q(hq // hkv), 132
-        )
-        _check_partials(index, got, ref, torch.bfloat16)
 
-    @pytest.mark.parametrize("block_size,page_size", [(64, 64), (64, 128), (128, 64), (32, 16)])
-    def test_partials_block_sizes_cuda(block_size, page_size):
-        seqs = [(500, 200), (33, 33), (300, 17)]
-        batch, q, k, v, sel = _setup(7 + block_size, seqs, page_size, block_size, 32, 2, 128, 8, torch.float16, True)
-        index, got, ref = _run_partials(batch, q, k, v, sel, block_size, True, 0.1, 8, 50)
-        _check_partials(index, got, ref, torch.float16)
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,page_size", [(64, 64), (64, 128), (128, 64), (32, 16)])
+def test_partials_block_sizes_cuda(block_size, page_size):
+    seqs = [(500, 200), (33, 33), (300, 17)]
+    batch, q, k, v, sel = _setup(7 + block_size, seqs, page_size, block_size, 32, 2, 128, 8, torch.float16, True)
+    index, got, ref = _run_partials(batch, q, k, v, sel, block_size, True, 0.1, 8, 50)
+    _check_partials(index, got, ref, torch.float16)
 
 
 RESIDENT_SCRIPT = r"""
@@ -284,18 +283,17 @@ def test_combine_matches_torch(hkv, group, topk, d, dtype, return_lse):
         assert lse is None
 
 
-if HAS_CUDA:
-
-    @pytest.mark.parametrize("group,topk", [(1, 4), (4, 8), (8, 16), (16, 16), (16, 32)])
-    def test_combine_matches_torch_cuda(group, topk):
-        g = gen(90 + group + topk)
-        po, pm, pl, slot_of = _to(DEVICE, *_random_partials(g, 3001, 4, group, topk, 128, torch.bfloat16))
-        with poisoned_allocations():
-            out, lse = tcomb.combine_triton(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
-        ref_out, ref_lse = m3_sparse.combine(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
-        assert not is_poisoned(out).any() and not is_poisoned(lse).any()
-        assert_close("combine out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
-        assert_close("combine lse", ref_lse, lse, LSE_TOL)
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,topk", [(1, 4), (4, 8), (8, 16), (16, 16), (16, 32)])
+def test_combine_matches_torch_cuda(group, topk):
+    g = gen(90 + group + topk)
+    po, pm, pl, slot_of = _to(DEVICE, *_random_partials(g, 3001, 4, group, topk, 128, torch.bfloat16))
+    with poisoned_allocations():
+        out, lse = tcomb.combine_triton(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
+    ref_out, ref_lse = m3_sparse.combine(po, pm, pl, slot_of, out_dtype=torch.bfloat16, return_lse=True)
+    assert not is_poisoned(out).any() and not is_poisoned(lse).any()
+    assert_close("combine out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
+    assert_close("combine lse", ref_lse, lse, LSE_TOL)
 
 
 # --------------------------------------------------------------------------- composed
@@ -327,6 +325,8 @@ def test_composed_matches_reference(seqs, page_size, block_size, hq, hkv, topk, 
 
 
 def test_composed_repeated_ids_and_empty_rows():
+    """Every slot repeating the first id reads that block once: bitwise the result of the
+    single slot, and the oracle's; rows that select nothing are zeros with lse -inf."""
     seqs = [(90, 4), (20, 3)]
     batch, q, k, v, sel = _setup(63, seqs, 16, 16, 4, 2, 16, 4, torch.float32, True, empty_frac=0.0, dup_frac=0.0)
     rep = sel.clone()
@@ -341,6 +341,9 @@ def test_composed_repeated_ids_and_empty_rows():
         outs.append(kvouter_triton(qd, kd, vd, sd, bt, **_device_batch(batch), block_size=16, return_lse=True))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     out, lse = outs[0]
+    ref = sparse_attention_ref(q, k, v, single, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, None, True, 16)
+    assert_close("out", ref[0], out, TOLERANCES[torch.float32])
+    assert_close("lse", ref[1], lse, LSE_TOL)
     assert torch.all(out[0] == 0) and torch.all(lse[:, 0] == float("-inf"))
     assert torch.all(out[5, 2:] == 0) and torch.all(lse[2:, 5] == float("-inf"))
 
@@ -442,202 +445,216 @@ def _m3_shape_reason():
     return gkv.unsupported_reason(q, k, k, 128, None, None, 4, 10)
 
 
-# sm_90 with the Triton the kernel is written for; anywhere else these tests skip (the tl
-# kernel's tests above still run).
-TMA_OK = HAS_CUDA and _m3_shape_reason() is None
-if HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and gkv.triton_version().startswith(gkv.TESTED_TRITON):
-
-    def test_tma_kernel_applies_on_this_hopper_gpu():
-        assert _m3_shape_reason() is None
+@pytest.fixture
+def tma_partials():
+    """The TMA tests below run on sm_90 with the Triton the kernel is written for: they skip
+    elsewhere (the tl kernel's tests above still run) and fail there if it refuses M3's shape."""
+    require_gluon(_m3_shape_reason(), "the TMA partials kernel at M3's shape")
 
 
-if TMA_OK:
-
-    def test_auto_engine_runs_the_tma_kernel(monkeypatch):
-        """The default engine ("auto") on the M3 shape launches the TMA kernel; on G = 4
-        the tl kernel, both right against the torch stage."""
-        assert kplan.DEFAULT_CONFIG.engine == "auto"
-        calls = []
-        real = gkv.kvouter_partials_tma
-        monkeypatch.setattr(gkv, "kvouter_partials_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        for hq, want in ((64, 1), (16, 0)):
-            g = gen(hq)
-            batch = make_batch(g, [(700, 300), (90, 90)], 128)
-            q = randn(g, batch.num_tokens, hq, 128, dtype=torch.bfloat16)
-            k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
-            sel = random_selection(g, batch, 4, 16, 128)
-            calls.clear()
-            index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, kplan.default_tile_q(hq // 4), 132)
-            assert len(calls) == want
-            _check_partials(index, got, ref, torch.bfloat16)
-
-    def test_partials_tma_int64_metadata():
-        """int64 block tables, lengths and offsets (the public ops accept them)."""
-        g = gen(64)
-        batch = make_batch(g, [(1000, 300), (300, 400), (77, 77)], 64)
-        q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
-        k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
-        sel = random_selection(g, batch, 4, 16, 128, causal=False)
-        batch.block_tables = batch.block_tables.long()
-        batch.cu_seqlens_q = batch.cu_seqlens_q.long()
-        batch.used_kv_lens = batch.used_kv_lens.long()
-        index, got, ref = _run_partials(batch, q, k, v, sel, 128, False, 0.088, 4, 132, engine="tma")
-        _check_partials(index, got, ref, torch.bfloat16)
-
-    TMA_CASES = [
-        # hq, hkv, d, page, block, dtype, causal, tile_q (None: the most), num_programs
-        (64, 4, 128, 128, 128, torch.bfloat16, True, None, 132),
-        (64, 4, 128, 64, 128, torch.bfloat16, True, None, 528),
-        (64, 4, 128, 128, 64, torch.bfloat16, False, None, 7),
-        (32, 4, 128, 64, 64, torch.float16, True, None, 1),
-        (16, 2, 128, 128, 128, torch.bfloat16, True, 3, 50),
-        (64, 2, 64, 32, 128, torch.float16, False, None, 132),
-        (64, 1, 128, 16, 64, torch.bfloat16, True, None, 33),
-        (64, 4, 128, 128, 128, torch.bfloat16, True, 1, 132),
-    ]
-
-    @pytest.mark.parametrize("hq,hkv,d,page_size,block_size,dtype,causal,tile_q,num_programs", TMA_CASES)
-    @pytest.mark.parametrize("garbage", [1.0e3, float("nan")])
-    def test_partials_tma_match_torch_cuda(hq, hkv, d, page_size, block_size, dtype, causal, tile_q, num_programs, garbage):
-        """Ragged sequences (shorter than a block, partial last blocks), -1 slots and
-        duplicates, poisoned outputs; NaN in unwritten cache slots must not leak through
-        the zero-weight keys of a partial block."""
-        g = gen(hq + d + page_size + block_size)
-        # (300, 400): 100 rows before the sequence's first key, over full blocks (non-causal too).
-        seqs = [(1000, 300), (77, 77), (block_size + 1, 1), (640, 128), (block_size // 2, 9), (300, 400)]
-        batch = make_batch(g, seqs, page_size)
-        q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
-        k = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
-        v = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
-        sel = random_selection(g, batch, hkv, 16, block_size, causal=causal)
-        tile_q = tile_q or 64 // (hq // hkv)
-        index, got, ref = _run_partials(
-            batch, q, k, v, sel, block_size, causal, d**-0.5, tile_q, num_programs, engine="tma"
-        )
-        assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
-        _check_partials(index, got, ref, dtype)
-
-    @pytest.mark.parametrize("d,page_size,block_size,out_dtype", [(128, 128, 128, torch.bfloat16), (64, 64, 128, torch.float16)])
-    @pytest.mark.parametrize("causal", [True, False])
-    def test_partials_tma_fp8_match_torch_cuda(d, page_size, block_size, out_dtype, causal):
-        """e4m3 q/K/V with per-tensor scales: the fp8 MMA for Q K^T, V widened in shared memory,
-        P @ V and the partials in ``out_dtype``; the torch stage does the same roundings."""
-        fp8 = torch.float8_e4m3fn
-        g = gen(d + page_size + int(causal))
-        seqs = [(900, 260), (block_size + 1, 1), (block_size // 2, 9)]
-        batch = make_batch(g, seqs, page_size)
-        q = randn(g, batch.num_tokens, 64, d)
-        k = batch.kv_cache(g, 4, d, garbage=float("nan"))
-        v = batch.kv_cache(g, 4, d, garbage=float("nan"))
-        sel = random_selection(g, batch, 4, 16, block_size, causal=causal)
-        scales = torch.tensor([0.011, 0.009, 0.013], device=DEVICE)
-        q8, k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((q, k, v), scales.tolist()))
-        q8, k8, v8, sel, bt = _to(DEVICE, q8, k8, v8, sel, batch.block_tables)
-        kw = _device_batch(batch)
-        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * page_size // block_size)
-        sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
-        args = (q8, k8, v8, index)
-        common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype)
-        with poisoned_allocations():
-            got = partials_gpu(*args, sched, bt, **common, engine="tma")
-        ref = m3_sparse.kvouter_partials(*args, bt, **common)
-        same_mma = partials_gpu(*args, sched, bt, **common, engine="triton")
-        po, pm, pl = got
-        used = int(index.seg_offsets[-1])
-        for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
-            assert not is_poisoned(x).any(), name
-        assert po.dtype == out_dtype
-        assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
-        # Hopper's fp8 MMA adds into an accumulator narrower than fp32: against exact scores the
-        # row maxima (scores of ~2, sums of 128 products of ~1e4) are off by ~1.2e-4 relative RMS
-        # at D = 128; a scale or mask error is off by 1e-2 or more. The tl kernel runs the
-        # same MMA, so against it the bound is fp32 reordering.
-        assert_close("partial_m", ref[1][:used], pm[:used], 5e-4)
-        assert_close("partial_l", ref[2][:used], pl[:used], 2e-3)
-        assert_close("partial_o", ref[0][:used], po[:used], 2 * TOLERANCES[out_dtype])
-        assert_close("partial_m vs tl kernel", same_mma[1][:used], pm[:used], 1e-6)
-        assert_close("partial_l vs tl kernel", same_mma[2][:used], pl[:used], 1e-5)
-        assert_close("partial_o vs tl kernel", same_mma[0][:used], po[:used], TOLERANCES[out_dtype])
-        assert torch.all(po[used:] == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
-
-    @pytest.mark.parametrize(
-        "dtype,d,page_size,partial_dtype",
-        [
-            (torch.bfloat16, 128, 128, None),
-            (torch.bfloat16, 128, 64, torch.float8_e4m3fn),
-            (torch.float16, 64, 32, None),
-            (torch.float16, 128, 128, torch.float8_e4m3fn),
-        ],
-    )
-    @pytest.mark.parametrize("causal", [True, False])
-    def test_partials_tma_float_q_over_fp8_caches(dtype, d, page_size, partial_dtype, causal):
-        """A model's q over fp8 pages: K and V widened in shared memory (both fp8 blocks land
-        in V's buffer), Q K^T in q's dtype; against the torch stage and the tl kernel, which
-        widens K the same way. NaN in unwritten slots, poisoned outputs."""
-        fp8 = torch.float8_e4m3fn
-        g = gen(3 * d + page_size + int(causal))
-        seqs = [(900, 260), (129, 1), (64, 9), (300, 400)]
-        batch = make_batch(g, seqs, page_size)
-        q = randn(g, batch.num_tokens, 64, d, dtype=dtype)
-        k = batch.kv_cache(g, 4, d, garbage=float("nan"))
-        v = batch.kv_cache(g, 4, d, garbage=float("nan"))
-        sel = random_selection(g, batch, 4, 16, 128, causal=causal)
-        scales = torch.tensor([1.0, 0.009, 0.013], device=DEVICE)
-        k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((k, v), scales.tolist()[1:]))
-        q, k8, v8, sel, bt = _to(DEVICE, q, k8, v8, sel, batch.block_tables)
-        kw = _device_batch(batch)
-        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=-(-bt.shape[1] * page_size // 128))
-        sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
-        common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=128, scales=scales, out_dtype=dtype,
-                      partial_dtype=partial_dtype)  # fmt: skip
-        with poisoned_allocations():
-            got = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="tma")
-        ref = m3_sparse.kvouter_partials(q, k8, v8, index, bt, **common)
-        same = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="triton")
-        po, pm, pl = got
-        used = int(index.seg_offsets[-1])
-        for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
-            assert not is_poisoned(x).any(), name
-        assert po.dtype == (partial_dtype or dtype)
-        assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
-        assert_close("partial_m", ref[1][:used], pm[:used], 1e-5)
-        assert_close("partial_l", ref[2][:used], pl[:used], 1e-4)
-        # e4m3 rows: both round the same values, and differ where accumulation order moves one
-        # across a rounding boundary (as in test_fp8_partials).
-        tol, tl_tol = (2 * TOLERANCES[dtype], TOLERANCES[dtype]) if partial_dtype is None else (0.04, 0.04)
-        assert_close("partial_o", ref[0][:used].float(), po[:used].float(), tol)
-        assert_close("partial_m vs tl kernel", same[1][:used], pm[:used], 1e-6)
-        assert_close("partial_l vs tl kernel", same[2][:used], pl[:used], 1e-5)
-        assert_close("partial_o vs tl kernel", same[0][:used].float(), po[:used].float(), tl_tol)
-        assert torch.all(po[used:].float() == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
-        assert not torch.isnan(po.float()).any()
-
-    def test_partials_tma_equal_the_triton_kernel_in_a_cuda_graph():
-        g = gen(99)
-        batch = make_batch(g, [(3000, 700), (200, 200)], 128)
-        q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+def test_auto_engine_runs_the_tma_kernel(monkeypatch):
+    """The default engine ("auto") on the M3 shape launches the TMA kernel; on G = 4
+    the tl kernel, both right against the torch stage."""
+    assert kplan.DEFAULT_CONFIG.engine == "auto"
+    calls = []
+    real = gkv.kvouter_partials_tma
+    monkeypatch.setattr(gkv, "kvouter_partials_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for hq, want in ((64, 1), (16, 0)):
+        g = gen(hq)
+        batch = make_batch(g, [(700, 300), (90, 90)], 128)
+        q = randn(g, batch.num_tokens, hq, 128, dtype=torch.bfloat16)
         k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
         sel = random_selection(g, batch, 4, 16, 128)
-        q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
-        kw = _device_batch(batch)
-        index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * 128 // 128)
-        sched = m3_sparse.schedule(index, tile_q=4, num_programs=264)
-        run = lambda eng: partials_gpu(  # noqa: E731
-            q, k, v, index, sched, bt, **kw, softmax_scale=0.088, block_size=128, engine=eng
-        )
-        want = run("triton")
-        run("tma")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = run("tma")
-        for x in got:
-            x.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        used = int(index.seg_offsets[-1])
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
-        assert_close("partial_o", want[0][:used], got[0][:used], TOLERANCES[torch.bfloat16])
-        assert torch.all(got[0][used:] == 0)
+        calls.clear()
+        index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, kplan.default_tile_q(hq // 4), 132)
+        assert len(calls) == want
+        _check_partials(index, got, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+def test_partials_tma_int64_metadata():
+    """int64 block tables, lengths and offsets (the public ops accept them)."""
+    g = gen(64)
+    batch = make_batch(g, [(1000, 300), (300, 400), (77, 77)], 64)
+    q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+    k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+    sel = random_selection(g, batch, 4, 16, 128, causal=False)
+    batch.block_tables = batch.block_tables.long()
+    batch.cu_seqlens_q = batch.cu_seqlens_q.long()
+    batch.used_kv_lens = batch.used_kv_lens.long()
+    index, got, ref = _run_partials(batch, q, k, v, sel, 128, False, 0.088, 4, 132, engine="tma")
+    _check_partials(index, got, ref, torch.bfloat16)
+
+
+TMA_CASES = [
+    # hq, hkv, d, page, block, dtype, causal, tile_q (None: the most), num_programs
+    (64, 4, 128, 128, 128, torch.bfloat16, True, None, 132),
+    (64, 4, 128, 64, 128, torch.bfloat16, True, None, 528),
+    (64, 4, 128, 128, 64, torch.bfloat16, False, None, 7),
+    (32, 4, 128, 64, 64, torch.float16, True, None, 1),
+    (16, 2, 128, 128, 128, torch.bfloat16, True, 3, 50),
+    (64, 2, 64, 32, 128, torch.float16, False, None, 132),
+    (64, 1, 128, 16, 64, torch.bfloat16, True, None, 33),
+    (64, 4, 128, 128, 128, torch.bfloat16, True, 1, 132),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+@pytest.mark.parametrize("hq,hkv,d,page_size,block_size,dtype,causal,tile_q,num_programs", TMA_CASES)
+@pytest.mark.parametrize("garbage", [1.0e3, float("nan")])
+def test_partials_tma_match_torch_cuda(hq, hkv, d, page_size, block_size, dtype, causal, tile_q, num_programs, garbage):
+    """Ragged sequences (shorter than a block, partial last blocks), -1 slots and
+    duplicates, poisoned outputs; NaN in unwritten cache slots must not leak through
+    the zero-weight keys of a partial block."""
+    g = gen(hq + d + page_size + block_size)
+    # (300, 400): 100 rows before the sequence's first key, over full blocks (non-causal too).
+    seqs = [(1000, 300), (77, 77), (block_size + 1, 1), (640, 128), (block_size // 2, 9), (300, 400)]
+    batch = make_batch(g, seqs, page_size)
+    q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
+    k = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+    v = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+    sel = random_selection(g, batch, hkv, 16, block_size, causal=causal)
+    tile_q = tile_q or 64 // (hq // hkv)
+    index, got, ref = _run_partials(
+        batch, q, k, v, sel, block_size, causal, d**-0.5, tile_q, num_programs, engine="tma"
+    )
+    assert int(index.seg_offsets[-1]) < index.capacity, "test setup: want unused entries"
+    _check_partials(index, got, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+@pytest.mark.parametrize("d,page_size,block_size,out_dtype", [(128, 128, 128, torch.bfloat16), (64, 64, 128, torch.float16)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_partials_tma_fp8_match_torch_cuda(d, page_size, block_size, out_dtype, causal):
+    """e4m3 q/K/V with per-tensor scales: the fp8 MMA for Q K^T, V widened in shared memory,
+    P @ V and the partials in ``out_dtype``; the torch stage does the same roundings."""
+    fp8 = torch.float8_e4m3fn
+    g = gen(d + page_size + int(causal))
+    seqs = [(900, 260), (block_size + 1, 1), (block_size // 2, 9)]
+    batch = make_batch(g, seqs, page_size)
+    q = randn(g, batch.num_tokens, 64, d)
+    k = batch.kv_cache(g, 4, d, garbage=float("nan"))
+    v = batch.kv_cache(g, 4, d, garbage=float("nan"))
+    sel = random_selection(g, batch, 4, 16, block_size, causal=causal)
+    scales = torch.tensor([0.011, 0.009, 0.013], device=DEVICE)
+    q8, k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((q, k, v), scales.tolist()))
+    q8, k8, v8, sel, bt = _to(DEVICE, q8, k8, v8, sel, batch.block_tables)
+    kw = _device_batch(batch)
+    index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * page_size // block_size)
+    sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
+    args = (q8, k8, v8, index)
+    common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype)
+    with poisoned_allocations():
+        got = partials_gpu(*args, sched, bt, **common, engine="tma")
+    ref = m3_sparse.kvouter_partials(*args, bt, **common)
+    same_mma = partials_gpu(*args, sched, bt, **common, engine="triton")
+    po, pm, pl = got
+    used = int(index.seg_offsets[-1])
+    for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
+        assert not is_poisoned(x).any(), name
+    assert po.dtype == out_dtype
+    assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
+    # Hopper's fp8 MMA adds into an accumulator narrower than fp32: against exact scores the
+    # row maxima (scores of ~2, sums of 128 products of ~1e4) are off by ~1.2e-4 relative RMS
+    # at D = 128; a scale or mask error is off by 1e-2 or more. The tl kernel runs the
+    # same MMA, so against it the bound is fp32 reordering.
+    assert_close("partial_m", ref[1][:used], pm[:used], 5e-4)
+    assert_close("partial_l", ref[2][:used], pl[:used], 2e-3)
+    assert_close("partial_o", ref[0][:used], po[:used], 2 * TOLERANCES[out_dtype])
+    assert_close("partial_m vs tl kernel", same_mma[1][:used], pm[:used], 1e-6)
+    assert_close("partial_l vs tl kernel", same_mma[2][:used], pl[:used], 1e-5)
+    assert_close("partial_o vs tl kernel", same_mma[0][:used], po[:used], TOLERANCES[out_dtype])
+    assert torch.all(po[used:] == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+@pytest.mark.parametrize(
+    "dtype,d,page_size,partial_dtype",
+    [
+        (torch.bfloat16, 128, 128, None),
+        (torch.bfloat16, 128, 64, torch.float8_e4m3fn),
+        (torch.float16, 64, 32, None),
+        (torch.float16, 128, 128, torch.float8_e4m3fn),
+    ],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_partials_tma_float_q_over_fp8_caches(dtype, d, page_size, partial_dtype, causal):
+    """A model's q over fp8 pages: K and V widened in shared memory (both fp8 blocks land
+    in V's buffer), Q K^T in q's dtype; against the torch stage and the tl kernel, which
+    widens K the same way. NaN in unwritten slots, poisoned outputs."""
+    fp8 = torch.float8_e4m3fn
+    g = gen(3 * d + page_size + int(causal))
+    seqs = [(900, 260), (129, 1), (64, 9), (300, 400)]
+    batch = make_batch(g, seqs, page_size)
+    q = randn(g, batch.num_tokens, 64, d, dtype=dtype)
+    k = batch.kv_cache(g, 4, d, garbage=float("nan"))
+    v = batch.kv_cache(g, 4, d, garbage=float("nan"))
+    sel = random_selection(g, batch, 4, 16, 128, causal=causal)
+    scales = torch.tensor([1.0, 0.009, 0.013], device=DEVICE)
+    k8, v8 = ((x / float(s_)).clamp(-448, 448).to(fp8) for x, s_ in zip((k, v), scales.tolist()[1:]))
+    q, k8, v8, sel, bt = _to(DEVICE, q, k8, v8, sel, batch.block_tables)
+    kw = _device_batch(batch)
+    index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=-(-bt.shape[1] * page_size // 128))
+    sched = m3_sparse.schedule(index, tile_q=4, num_programs=132)
+    common = dict(**kw, softmax_scale=d**-0.5, causal=causal, block_size=128, scales=scales, out_dtype=dtype,
+                  partial_dtype=partial_dtype)  # fmt: skip
+    with poisoned_allocations():
+        got = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="tma")
+    ref = m3_sparse.kvouter_partials(q, k8, v8, index, bt, **common)
+    same = partials_gpu(q, k8, v8, index, sched, bt, **common, engine="triton")
+    po, pm, pl = got
+    used = int(index.seg_offsets[-1])
+    for name, x in (("partial_o", po), ("partial_m", pm), ("partial_l", pl)):
+        assert not is_poisoned(x).any(), name
+    assert po.dtype == (partial_dtype or dtype)
+    assert torch.equal(pm[:used] == float("-inf"), ref[1][:used] == float("-inf"))
+    assert_close("partial_m", ref[1][:used], pm[:used], 1e-5)
+    assert_close("partial_l", ref[2][:used], pl[:used], 1e-4)
+    # e4m3 rows: both round the same values, and differ where accumulation order moves one
+    # across a rounding boundary (as in test_fp8_partials).
+    tol, tl_tol = (2 * TOLERANCES[dtype], TOLERANCES[dtype]) if partial_dtype is None else (0.04, 0.04)
+    assert_close("partial_o", ref[0][:used].float(), po[:used].float(), tol)
+    assert_close("partial_m vs tl kernel", same[1][:used], pm[:used], 1e-6)
+    assert_close("partial_l vs tl kernel", same[2][:used], pl[:used], 1e-5)
+    assert_close("partial_o vs tl kernel", same[0][:used].float(), po[:used].float(), tl_tol)
+    assert torch.all(po[used:].float() == 0) and torch.all(pm[used:] == float("-inf")) and torch.all(pl[used:] == 0)
+    assert not torch.isnan(po.float()).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+def test_partials_tma_equal_the_triton_kernel_in_a_cuda_graph():
+    g = gen(99)
+    batch = make_batch(g, [(3000, 700), (200, 200)], 128)
+    q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+    k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+    sel = random_selection(g, batch, 4, 16, 128)
+    q, k, v, sel, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    kw = _device_batch(batch)
+    index = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=kw["cu_seqlens_q"], max_blocks=bt.shape[1] * 128 // 128)
+    sched = m3_sparse.schedule(index, tile_q=4, num_programs=264)
+    run = lambda eng: partials_gpu(  # noqa: E731
+        q, k, v, index, sched, bt, **kw, softmax_scale=0.088, block_size=128, engine=eng
+    )
+    want = run("triton")
+    run("tma")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run("tma")
+    for x in got:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    used = int(index.seg_offsets[-1])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert_close("partial_o", want[0][:used], got[0][:used], TOLERANCES[torch.bfloat16])
+    assert torch.all(got[0][used:] == 0)
 
 
 # --------------------------------------------------------------------------- CUDA, full size
@@ -672,42 +689,43 @@ def sampled_reference(q, k_cache, v_cache, sel, block_tables, cu, kv_lens, token
     return out, lse.reshape(-1, hq).T
 
 
-if HAS_CUDA:
+@pytest.mark.gpu
+def test_large_partial_buffer_64bit_offsets():
+    """32K query tokens x 4 kv heads x top-16 x 16 heads x 128 = 4.3e9 partial elements:
+    the last entries' offsets only fit in 64 bits."""
+    torch.manual_seed(3)
+    n, hq, hkv, d, blk, topk = 32768, 64, 4, 128, 128, 16
+    dev = DEVICE
+    nb = n // blk
+    q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(nb, device=dev, dtype=torch.int32)[None]
+    cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
+    kv = torch.tensor([n], device=dev, dtype=torch.int32)
+    local = torch.arange(n, device=dev) // blk
+    score = torch.rand(n, hkv, nb, device=dev)
+    score = score.masked_fill(torch.arange(nb, device=dev)[None, None, :] >= local[:, None, None], -1.0)
+    top = score.topk(topk - 1, -1).indices.to(torch.int32)
+    top = torch.where(score.gather(-1, top.long()) >= 0, top, -1)
+    sel = torch.cat([local[:, None, None].expand(n, hkv, 1).to(torch.int32), top], -1)
+    assert n * hkv * topk * (hq // hkv) * d > 2**31
+    out, lse = kvouter_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
+    tokens = torch.cat([torch.arange(0, 64, device=dev), torch.arange(n - 192, n, device=dev)])
+    ref_out, ref_lse = sampled_reference(q, k, v, sel, bt, cu, kv, tokens, blk, d**-0.5)
+    assert_close("out (sampled)", ref_out, out[tokens].float(), TOLERANCES[torch.bfloat16])
+    assert_close("lse (sampled)", ref_lse, lse[:, tokens], LSE_TOL)
 
-    def test_large_partial_buffer_64bit_offsets():
-        """32K query tokens x 4 kv heads x top-16 x 16 heads x 128 = 4.3e9 partial elements:
-        the last entries' offsets only fit in 64 bits."""
-        torch.manual_seed(3)
-        n, hq, hkv, d, blk, topk = 32768, 64, 4, 128, 128, 16
-        dev = DEVICE
-        nb = n // blk
-        q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(nb, hkv, blk, d, device=dev, dtype=torch.bfloat16)
-        bt = torch.randperm(nb, device=dev, dtype=torch.int32)[None]
-        cu = torch.tensor([0, n], device=dev, dtype=torch.int32)
-        kv = torch.tensor([n], device=dev, dtype=torch.int32)
-        local = torch.arange(n, device=dev) // blk
-        score = torch.rand(n, hkv, nb, device=dev)
-        score = score.masked_fill(torch.arange(nb, device=dev)[None, None, :] >= local[:, None, None], -1.0)
-        top = score.topk(topk - 1, -1).indices.to(torch.int32)
-        top = torch.where(score.gather(-1, top.long()) >= 0, top, -1)
-        sel = torch.cat([local[:, None, None].expand(n, hkv, 1).to(torch.int32), top], -1)
-        assert n * hkv * topk * (hq // hkv) * d > 2**31
-        out, lse = kvouter_triton(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True)
-        tokens = torch.cat([torch.arange(0, 64, device=dev), torch.arange(n - 192, n, device=dev)])
-        ref_out, ref_lse = sampled_reference(q, k, v, sel, bt, cu, kv, tokens, blk, d**-0.5)
-        assert_close("out (sampled)", ref_out, out[tokens].float(), TOLERANCES[torch.bfloat16])
-        assert_close("lse (sampled)", ref_lse, lse[:, tokens], LSE_TOL)
 
-    @pytest.mark.parametrize("hq,hkv", HEADS_BIG)
-    def test_composed_matches_torch_cuda(hq, hkv):
-        seqs = [(700, 500), (64, 64), (1300, 7), (300, 300)]
-        batch, q, k, v, sel = _setup(hq * 3 + hkv, seqs, 64, 128, hq, hkv, 128, 16, torch.bfloat16, True)
-        qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
-        kw = _device_batch(batch)
-        with poisoned_allocations():
-            out, lse = kvouter_triton(qd, kd, vd, sd, bt, **kw, return_lse=True)
-        ref_out, ref_lse = m3_sparse.kvouter_attention(qd, kd, vd, sd, bt, **kw, return_lse=True)
-        assert_close("out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
-        assert_close("lse", ref_lse, lse, LSE_TOL)
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", HEADS_BIG)
+def test_composed_matches_torch_cuda(hq, hkv):
+    seqs = [(700, 500), (64, 64), (1300, 7), (300, 300)]
+    batch, q, k, v, sel = _setup(hq * 3 + hkv, seqs, 64, 128, hq, hkv, 128, 16, torch.bfloat16, True)
+    qd, kd, vd, sd, bt = _to(DEVICE, q, k, v, sel, batch.block_tables)
+    kw = _device_batch(batch)
+    with poisoned_allocations():
+        out, lse = kvouter_triton(qd, kd, vd, sd, bt, **kw, return_lse=True)
+    ref_out, ref_lse = m3_sparse.kvouter_attention(qd, kd, vd, sd, bt, **kw, return_lse=True)
+    assert_close("out", ref_out.float(), out.float(), TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref_lse, lse, LSE_TOL)

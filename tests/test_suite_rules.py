@@ -1,0 +1,90 @@
+"""Rules of the test suite itself: every test is collected on every machine, and GPU tests are
+the ``gpu``-marked ones, which the conftest skips (with a reason) where there is no CUDA.
+
+A test defined under a module-level ``if`` (``if HAS_CUDA:``) is invisible where the condition
+is false, so neither ``pytest -m gpu --collect-only`` on a CPU nor a count of skips shows it."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def conditional_tests(source: str) -> list[str]:
+    """``line name`` of each test function defined inside a module-level compound statement."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            found += [
+                f"{n.lineno} {n.name}"
+                for n in ast.walk(node)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test_")
+            ]
+    return found
+
+
+def test_no_test_is_defined_conditionally():
+    files = sorted(TESTS.rglob("test_*.py"))
+    assert len(files) > 30, "the scan found too few test files"
+    bad = [f"{f.relative_to(TESTS)}:{t}" for f in files for t in conditional_tests(f.read_text())]
+    assert not bad, "tests defined under a module-level condition (mark them gpu instead):\n" + "\n".join(bad)
+
+
+def test_the_scan_sees_a_conditional_test():
+    source = "import torch\nif torch.cuda.is_available():\n    def test_hidden():\n        pass\n"
+    assert conditional_tests(source) == ["3 test_hidden"]
+
+
+PROBE = '''
+import pytest
+
+@pytest.mark.gpu
+def test_marked():
+    assert False, "a gpu test ran without CUDA"
+
+def test_unmarked_body_skip():
+    pytest.skip("needs a CUDA device")
+
+def test_unrelated_skip():
+    pytest.skip("nothing to do with a device")
+'''
+
+UNMARKED_SKIPIF = '''
+import pytest
+
+@pytest.mark.skipif(True, reason="M3 sizes need the GPU")
+def test_hidden_from_the_gpu_suite():
+    pass
+'''
+
+
+def _pytest_in(folder: Path, test_file: str) -> subprocess.CompletedProcess:
+    """The suite's conftest over one probe file, CUDA hidden (the rule a CPU machine sees)."""
+    shutil.copy(TESTS / "conftest.py", folder / "conftest.py")
+    (folder / "test_probe.py").write_text(test_file)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rsf", "-p", "no:cacheprovider", "-m", "", str(folder)],
+        capture_output=True, text=True, env=env, cwd=folder, timeout=300,
+    )  # fmt: skip
+
+
+def test_the_conftest_skips_gpu_tests_and_fails_unmarked_ones(tmp_path):
+    res = _pytest_in(tmp_path, PROBE)
+    out = res.stdout
+    assert "1 failed, 2 skipped" in out, out[-3000:]
+    assert "needs a CUDA device (marker gpu" in out, out[-3000:]
+    assert "test_unmarked_body_skip" in out and "without the gpu marker" in out, out[-3000:]
+
+
+def test_an_unmarked_gpu_skipif_stops_the_run(tmp_path):
+    res = _pytest_in(tmp_path, UNMARKED_SKIPIF)
+    assert res.returncode != 0
+    text = res.stdout + res.stderr
+    assert "must carry the gpu marker" in text and "test_hidden_from_the_gpu_suite" in text, text[-3000:]
