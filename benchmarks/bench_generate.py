@@ -590,6 +590,7 @@ class Cell:
     mode: str | None = None  # eager | compiled | graphs
     ttft_ms: float | None = None
     decode_ms_per_step: float | None = None
+    decode_ms_synced: float | None = None
     decode_tok_s: float | None = None
     host_ms: float | None = None
     gpu_ms: float | None = None
@@ -658,7 +659,7 @@ def run_cell(config: Config, shape: Shape, pattern: str, models: dict, args, war
     cell.mode = result["mode"]
     if config.attn == "m3_sparse" and not config.eager and cell.mode == "eager" and args.device.type == "cuda":
         cell.note = "generate() did not compile the decode step (the cache does not say it is compileable)"
-    for name in ("ttft_ms", "decode_ms_per_step", "decode_tok_s", "peak_gib"):
+    for name in ("ttft_ms", "decode_ms_per_step", "decode_ms_synced", "decode_tok_s", "peak_gib"):
         setattr(cell, name, result[name])
     for name in ("host_ms", "gpu_ms", "launches", "kernels"):
         setattr(cell, name, prof.get(name))
@@ -716,14 +717,15 @@ def table(cells: list[Cell]) -> str:
     for c in cells:
         note = c.note if len(c.note) <= 90 else c.note[:87] + "..."
         if c.status != "ok":
-            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 11 + [note])
+            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 12 + [note])
             continue
         rows.append([c.layers, c.config, c.label, c.mode, _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f"),
-                     _f(c.decode_ms_per_step, ".2f"), _f(c.host_ms, ".2f"), _f(c.gpu_ms, ".2f"),
+                     _f(c.decode_ms_per_step, ".2f"), _f(c.decode_ms_synced, ".2f"), _f(c.host_ms, ".2f"),
+                     _f(c.gpu_ms, ".2f"),
                      _f(c.launches, ".0f"), _f(c.kernels, ".0f"), _x(c.prefill_speedup), _x(c.decode_speedup),
                      _f(c.peak_gib, ".1f"), note])
     return common.md_table(["layers", "config", "context", "decode mode", "TTFT ms", "decode tok/s", "step ms",
-                            "host ms/step", "GPU ms/step", "launches/step", "kernels/step", "TTFT speedup",
+                            "synced step ms", "host ms/step", "GPU ms/step", "launches/step", "kernels/step", "TTFT speedup",
                             "decode speedup", "peak GiB", "note"], rows)
 
 
@@ -754,8 +756,10 @@ def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
         f"- Greedy generate() of {args.new_tokens} new tokens (min_new_tokens = max_new_tokens, pad suppressed), "
         f"median of {args.reps} measured call(s) after a warm-up call (none for an eager row right after its "
         "compiled twin). TTFT: generate() call to first token (streamer stamp after torch.cuda.synchronize), "
-        "prefill and setup included; step ms: median interval between tokens"
-        + (f" over the steps before the {p} profiled ones" if p else "") + "; decode tok/s counts every row. "
+        "prefill and setup included; step ms: (time of a call without a streamer - TTFT) / (new tokens - 1), "
+        "first step included; synced step ms: median interval between streamer tokens"
+        + (f" over the steps before the {p} profiled ones" if p else "") + " (host and GPU work of a step "
+        "serialized by the streamer's synchronization); decode tok/s = rows / step ms. "
         "Peak: torch.cuda.max_memory_allocated during the measured calls, weights of both models included.",
         "- decode mode: eager (generate() did not use its compiled forward), compiled (it did), graphs (compiled, and "
         "the profile shows CUDA-graph launches). Before each compiled row torch.compiler.reset().",
