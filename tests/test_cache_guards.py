@@ -34,9 +34,10 @@ def test_a_cache_of_a_model_with_fewer_layers(model):
     other = text_config(num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
                         mlp_layer_types=["dense", "dense"])
     cache = M3PagedCache(other, 1, 64)
-    with pytest.raises(ValueError, match=r"built for a model with 2 layers; this model asks for layer 2"):
+    with pytest.raises(ValueError, match=r"built for a model with 2 layers; this model has 3"):
         with torch.no_grad():
             model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)
 
 
 def test_a_cache_whose_sparse_layers_differ(model):
@@ -45,6 +46,7 @@ def test_a_cache_whose_sparse_layers_differ(model):
     with pytest.raises(ValueError, match=r"layer 0 was built as a full-attention layer, but this model's layer 0 is a sparse"):
         with torch.no_grad():
             model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 0 and not any(layer.is_initialized for layer in cache.layers)
 
 
 def test_a_model_on_another_attention_implementation(path, model):

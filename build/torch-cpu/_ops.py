@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_ad8869f72a"
+NAMESPACE = "_m3_sparse_cpu_a94449e6ec"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -606,9 +606,32 @@ class M3PagedCache(Cache):
             self._host_slots = int(self._lengths["slots"])
         return self._host_slots
 
+    def check_model(self, config) -> None:
+        """Raise a ``ValueError`` unless the cache was built for a model with this (text)
+        ``config``: as many layers, sparse where it has sparse layers. Run before a forward
+        pass changes anything (``create_causal_mask``, wrapped by this package)."""
+        n = getattr(config, "num_hidden_layers", len(self.layers))
+        if n != len(self.layers):
+            raise ValueError(
+                f"M3PagedCache was built for a model with {len(self.layers)} layers; this model has {n} "
+                "(num_hidden_layers). Build the cache from this model's config."
+            )
+        types = getattr(config, "layer_types", None) or ["full_attention"] * n
+        for i, layer in enumerate(self.layers):
+            self._check_kind(i, types[i] == SPARSE_LAYER_TYPE)
+
+    def _check_kind(self, layer_idx: int, is_sparse: bool) -> None:
+        if self.layers[layer_idx].is_sparse != is_sparse:
+            kind = lambda sparse: "a sparse (minimax_m3_sparse)" if sparse else "a full-attention"  # noqa: E731
+            raise ValueError(
+                f"M3PagedCache: layer {layer_idx} was built as {kind(not is_sparse)} layer, but this model's layer "
+                f"{layer_idx} is {kind(is_sparse)} layer. Build the cache from this model's config."
+            )
+
     def layer_for(self, layer_idx: int, config, is_sparse: bool) -> M3PagedLayer:
         """The layer that serves attention layer ``layer_idx`` of a model with ``config``
-        (its text config), after checking that the cache was built for such a model."""
+        (its text config), after checking that the model runs m3_sparse and that the layer
+        fits it (the whole model was checked by :meth:`check_model` before the pass)."""
         impl = getattr(config, "_attn_implementation", None)
         if not uses_m3_sparse(config):
             raise ValueError(
@@ -619,17 +642,10 @@ class M3PagedCache(Cache):
         if layer_idx >= len(self.layers):
             raise ValueError(
                 f"M3PagedCache was built for a model with {len(self.layers)} layers; this model asks for layer "
-                f"{layer_idx} (num_hidden_layers={getattr(config, 'num_hidden_layers', '?')}). Build the cache from "
-                "this model's config."
+                f"{layer_idx}. Build the cache from this model's config."
             )
-        layer = self.layers[layer_idx]
-        if layer.is_sparse != is_sparse:
-            kind = lambda sparse: "a sparse (minimax_m3_sparse)" if sparse else "a full-attention"  # noqa: E731
-            raise ValueError(
-                f"M3PagedCache: layer {layer_idx} was built as {kind(layer.is_sparse)} layer, but this model's layer "
-                f"{layer_idx} is {kind(is_sparse)} layer. Build the cache from this model's config."
-            )
-        return layer
+        self._check_kind(layer_idx, is_sparse)
+        return self.layers[layer_idx]
 
     def check_generation(self, total_tokens: int) -> None:
         """Before ``generate()`` writes anything: the cache must be empty (a new prompt) and
