@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_6ce287f261"
+NAMESPACE = "_m3_sparse_cuda_d9d14d8701"
 
 ops = getattr(torch.ops, NAMESPACE)
 
