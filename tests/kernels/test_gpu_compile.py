@@ -63,7 +63,7 @@ def index_builder(k, topk, chunk=None, key64=False):
 def partials(dtype="bf16", kv="bf16", po="bf16", pv=None, **kw):
     # pv: the dtype P @ V runs in (the partials' unless they are e4m3).
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
+    cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None,
               FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[pv or po], NORM=False)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "entry_token_ptr", "seg_offsets_ptr", "tile_seg_ptr",
@@ -77,7 +77,7 @@ def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
     # The launcher's prefill tile for q's dtype.
     block_m = dplan.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
     cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=dplan.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
-              SEARCH_STEPS=5, PREC=None, UPCAST=False, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out],
+              SEARCH_STEPS=5, PREC=None, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out],
               HKV=4, TMA=True)
     cx.update(kw)
     ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr")}
@@ -101,7 +101,7 @@ def index_topk(q="bf16", k="bf16", final=True, **kw):
 def decode(q="bf16", kv="bf16", final=False, **kw):
     dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=final,
-              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False, Q_FP8=False, KV_FP8=False,
+              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, Q_FP8=False, KV_FP8=False,
               WIDEN_K=False, PV_DT=tl.bfloat16, MERGE=not final)
     cx.update(kw)
     ptrs = {n: I32 for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr", "cnt_ptr")}

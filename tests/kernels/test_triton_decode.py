@@ -378,7 +378,7 @@ def build(kernel, constexprs, pointers, num_warps, num_stages=3):
 def split_case(dtype, num_warps, **kw):
     out = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=False,
-              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, UPCAST=False, Q_FP8=False, KV_FP8=False,
+              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, Q_FP8=False, KV_FP8=False,
               WIDEN_K=False, PV_DT=out.get(dtype, tl.bfloat16))
     kv_dtype = kw.pop("kv_dtype", dtype)
     cx.update(kw)

@@ -182,7 +182,7 @@ from m3_sparse.kvouter import partials_triton as tkv
 from m3_sparse.kvouter import plan as kplan
 
 k = tkv._kvouter_partials_kernel
-cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None, UPCAST=False,
+cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None,
           FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False,
           PV_DT=triton.language.bfloat16, NORM=False)
 names = list(k.arg_names)

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..core.args import AttnArgs
+from ..core.interpreter import dot
 from ..core.launch import contiguous, device_capability, device_index, interpreting, next_pow2, tl_dtype
 from ..core.online_softmax import online_softmax_step
 from ..core.split_merge import merge_splits
@@ -62,8 +63,8 @@ LOG2E = 1.4426950408889634
 def _attend_key_tile(
     acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-    BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    WIDEN_K: tl.constexpr, PV_DT: tl.constexpr, k_desc, v_desc, kv_head, HKV: tl.constexpr, TMA: tl.constexpr,
+    BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, WIDEN_K: tl.constexpr,
+    PV_DT: tl.constexpr, k_desc, v_desc, kv_head, HKV: tl.constexpr, TMA: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BN)."""
     k_pos = start_n + offs_n
@@ -92,14 +93,12 @@ def _attend_key_tile(
         p_v = v_ptr + (page * stride_vp + kv_head_off_v + slot * stride_vs)[:, None] + offs_d[None, :]
         b_k = tl.load(p_k, mask=kv_mask, other=0.0)  # [BN, BD]
         b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BN, BD]
-    if UPCAST:
-        b_k = b_k.to(tl.float32)
-    elif WIDEN_K:
+    if WIDEN_K:
         b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [BM, BN], log2 units
+    b_s = dot(b_q, tl.trans(b_k), PREC) * qk_scale  # [BM, BN], log2 units
     if MASK:
         b_s = tl.where(k_pos[None, :] < lim[:, None], b_s, float("-inf"))
-    return online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, UPCAST, PV_DT)
+    return online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, PV_DT)
 
 
 @triton.jit
@@ -139,7 +138,6 @@ def _dense_paged_attn_kernel(
     RETURN_LSE: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
     FINAL: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -206,8 +204,6 @@ def _dense_paged_attn_kernel(
 
     p_q = q_ptr + (tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-    if UPCAST:
-        b_q = b_q.to(tl.float32)
 
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off_k = g.to(tl.int64) * stride_kh
@@ -219,13 +215,13 @@ def _dense_paged_attn_kernel(
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, False, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+            BN, PS, False, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
         )
     for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
             stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, True, PREC, UPCAST, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+            BN, PS, True, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
         )
 
     if KV_FP8:
@@ -311,9 +307,6 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
         return out, lse
     p = plan(args, cfg)
     gp, tm, bn, bd, num_splits, num_warps, num_stages = p.gp, p.tm, p.bn, p.bd, p.num_splits, p.num_warps, p.num_stages
-    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
-    # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     final = num_splits == 1
     if final:
         o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
@@ -344,8 +337,8 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
         scales if scales is not None else l_buf,
         G=group, GP=gp, TM=tm, D=d, BD=bd, BN=bn, PS=page_size,
         CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SEARCH_STEPS=max(0, batch - 1).bit_length(),
-        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
-        UPCAST=upcast, FINAL=final, Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PREC="ieee" if q.dtype == torch.float32 else None,
+        FINAL=final, Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8,
         PV_DT=tl_dtype(out_dtype), k_desc=k_desc, v_desc=v_desc, HKV=hkv, TMA=tma,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ..core.args import IndexArgs
+from ..core.interpreter import dot, to_e4m3
 from ..core.launch import interpreting, next_pow2
 from .plan import DEFAULT_CONFIG, KEY_MAJOR_STAGES, IndexConfig, IndexPlan, metadata
 
@@ -166,9 +167,9 @@ def _score_chunk(
             if DOT_FP32:
                 b_s = tl.dot(b_k.to(tl.float32), tl.trans(b_q), input_precision="ieee")  # [BK, BM]
             elif K_CAST:
-                b_s = tl.dot(b_k.to(b_q.dtype), tl.trans(b_q))  # [BK, BM]
+                b_s = dot(b_k.to(b_q.dtype), tl.trans(b_q), None)  # [BK, BM]
             else:
-                b_s = tl.dot(b_k, tl.trans(b_q))  # [BK, BM]
+                b_s = dot(b_k, tl.trans(b_q), None)  # [BK, BM]
             if K_SCALE:
                 b_s = b_s * b_ks[:, None]
             if MASKED:
@@ -178,9 +179,9 @@ def _score_chunk(
             if DOT_FP32:
                 b_s = tl.dot(b_q, b_k.to(tl.float32), input_precision="ieee")  # [BM, BK]
             elif K_CAST:
-                b_s = tl.dot(b_q, b_k.to(b_q.dtype))  # [BM, BK]
+                b_s = dot(b_q, b_k.to(b_q.dtype), None)  # [BM, BK]
             else:
-                b_s = tl.dot(b_q, b_k)  # [BM, BK]
+                b_s = dot(b_q, b_k, None)  # [BM, BK]
             if K_SCALE:
                 b_s = b_s * b_ks[None, :]
             if MASKED:
@@ -291,7 +292,7 @@ def _index_topk_kernel(
         # so it never changes the row's ranking and is not applied back.
         b_qf = b_q.to(tl.float32)
         amax = tl.max(tl.abs(b_qf), axis=1)
-        b_q = (b_qf * (448.0 / tl.maximum(amax, 1e-30))[:, None]).to(k_ptr.dtype.element_ty)
+        b_q = to_e4m3(b_qf * (448.0 / tl.maximum(amax, 1e-30))[:, None])
     if DOT_FP32:
         b_q = b_q.to(tl.float32)
 

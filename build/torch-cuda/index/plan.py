@@ -75,7 +75,7 @@ class IndexPlan:
     ch: int  # keys per chunk: max(bk, block_size)
     num_splits: int
     key_major: bool
-    dot_fp32: bool  # exact fp32 products (mixed or fp32 inputs, the interpreter)
+    dot_fp32: bool  # exact fp32 products (mixed or fp32 inputs)
     k_cast: bool  # fp8 keys widened to the query dtype before the dot
     tiles: int  # row tiles in the grid (an upper bound; programs without one exit)
 
@@ -108,17 +108,11 @@ def plan(args: IndexArgs, cfg: IndexConfig = DEFAULT_CONFIG) -> IndexPlan:
     # Mixed or fp32 inputs: exact fp32 products (a tf32 dot would reorder near-ties that
     # the fp32 contract keeps apart).
     dot_fp32 = (q_dtype != k_dtype and not fp8) or k_dtype == torch.float32 or (k_cast and q_dtype == torch.float32)
-    interpret = interpreting()
-    if interpret and (torch.bfloat16 in (q_dtype, k_dtype) or fp8):
-        # The Triton interpreter (3.9) gets bf16 tl.dot wrong (it multiplies the raw
-        # bits); bf16 x bf16 products are exact in fp32, so the upcast dot computes
-        # the same function up to the summation order.
-        dot_fp32 = True
     max_q = args.max_seqlen_q if args.max_seqlen_q is not None else -(-num_tokens // max(batch, 1))
     rows = max(1, int(max_q)) * heads
     bm = cfg.block_m or (16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else PREFILL_BM)
     bk = cfg.block_k or (128 if dim <= 128 else 64)
-    if dot_fp32 and not cfg.block_k and not interpret:
+    if dot_fp32 and not cfg.block_k and not interpreting():
         bk = 64  # fp32 tiles: keep the shared-memory stage within bounds
     ch = max(bk, args.block_size)
     key_major = cfg.key_major if cfg.key_major is not None else fp8_dot and bm <= KEY_MAJOR_MAX_BM

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..core.args import AttnArgs
+from ..core.interpreter import dot, to_e4m3
 from ..core.launch import contiguous, interpreting, next_pow2, tl_dtype
 from .build import KVOuterIndex
 from .partials import empty_partials
@@ -69,7 +70,7 @@ def _segment_meta(
 def _load_kv(
     k_ptr, v_ptr, g, blk, page, kv_len, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
     offs_d, offs_n, q_dt: tl.constexpr,
-    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, UPCAST: tl.constexpr, WIDEN_K: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, WIDEN_K: tl.constexpr,
 ):
     """The K/V block of a segment through its pages, in the dtypes the two dots take."""
     k_pos = blk * BS + offs_n
@@ -82,22 +83,9 @@ def _load_kv(
     p_v = v_ptr + (page * stride_vp + g * stride_vh + slot * stride_vs)[:, None] + offs_d[None, :]
     b_kt = tl.load(p_kt, mask=tl.trans(kv_mask), other=0.0)  # [BD, BS]
     b_v = tl.load(p_v, mask=kv_mask, other=0.0)  # [BS, BD]
-    if UPCAST:
-        b_kt = b_kt.to(tl.float32)
-    elif WIDEN_K:
+    if WIDEN_K:
         b_kt = b_kt.to(q_dt)  # fp8 keys against a float q
     return b_kt, b_v
-
-
-@triton.jit
-def _snap_e4m3(x):
-    """``x`` (within +-448) rounded to the e4m3 grid in fp32, ties away from zero. Triton's
-    interpreter (3.9) converts fp32 to e4m3 wrongly when rounding carries into the exponent
-    (1.97 -> 1.0); values already on the grid convert exactly."""
-    ax = tl.abs(x)
-    step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(ax, 1e-30))), -6.0) - 3.0)  # 3 mantissa bits
-    r = tl.floor(ax / step + 0.5) * step
-    return tl.where(x < 0, -r, r)
 
 
 @triton.jit
@@ -106,7 +94,7 @@ def _attend_rows(
     g, blk, e0, e1, tok, kv_len, pos_base,
     stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    CAUSAL: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, PREC: tl.constexpr, KV_FP8: tl.constexpr,
     PV_DT: tl.constexpr, NORM: tl.constexpr,
 ):
     """One tile against a loaded K/V block: gather its queries, one softmax step, store."""
@@ -115,9 +103,7 @@ def _attend_rows(
     row_ok = (e_row < e1) & (r_head < G)
     p_q = q_ptr + (tok.to(tl.int64) * stride_qt + (g * G + r_head).to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
-    if UPCAST:
-        b_q = b_q.to(tl.float32)
-    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale  # [BM, BS], log2 units
+    b_s = dot(b_q, b_kt, PREC) * qk_scale  # [BM, BS], log2 units
     # Last visible key position per row; -1 for rows that see nothing.
     row_pos = pos_base + tok
     if CAUSAL:
@@ -134,17 +120,11 @@ def _attend_rows(
     m_safe = tl.where(b_m == float("-inf"), 0.0, b_m)
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BM, BS]
     b_l = tl.sum(b_p, 1)  # [BM]
-    if UPCAST:
-        b_o = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [BM, BD]
-    else:
-        b_o = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [BM, BD]
+    b_o = dot(b_p.to(PV_DT), b_v.to(PV_DT), PREC)  # [BM, BD]
     if NORM:
         # Normalized rows in V's stored units. bf16 rounding of P can lift one a hair past V's
-        # largest value: the GPU's e4m3 conversion saturates at +-448 (cvt.rn.satfinite);
-        # the interpreter's does not, and rounds wrongly, so there the kernel does both.
-        b_o = b_o / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
-        if UPCAST:  # the interpreter
-            b_o = _snap_e4m3(tl.clamp(b_o, -448.0, 448.0))
+        # largest value: the e4m3 conversion saturates at +-448.
+        b_o = to_e4m3(b_o / tl.where(b_l == 0.0, 1.0, b_l)[:, None])
     elif KV_FP8:
         b_o = b_o * v_scale
 
@@ -199,7 +179,6 @@ def _kvouter_partials_kernel(
     PS: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
     FILL: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -243,7 +222,7 @@ def _kvouter_partials_kernel(
         b_kt, b_v = _load_kv(
             k_ptr, v_ptr, g, blk, page, kv_len,
             stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-            offs_d, offs_n, q_ptr.dtype.element_ty, D, BS, PS, UPCAST, WIDEN_K,
+            offs_d, offs_n, q_ptr.dtype.element_ty, D, BS, PS, WIDEN_K,
         )
         for i in range(0, run):
             e0 = e_first + i * tile_q
@@ -253,7 +232,7 @@ def _kvouter_partials_kernel(
             _attend_rows(
                 q_ptr, po_ptr, pm_ptr, pl_ptr, b_kt, b_v, g, blk, e0, e1, tok, kv_len, pos_base,
                 stride_qt, stride_qh, qk_scale, v_scale, r_tok, r_head, offs_d, offs_n,
-                G, D, BS, CAUSAL, PREC, UPCAST, KV_FP8, PV_DT, NORM,
+                G, D, BS, CAUSAL, PREC, KV_FP8, PV_DT, NORM,
             )
         tile += run
 
@@ -295,11 +274,6 @@ def kvouter_partials_tl(
     num_warps = cfg.num_warps or (4 if tq * gp <= cfg.tile_rows else 8)
     num_stages = cfg.num_stages or 1
     extra = {} if cfg.maxnreg is None or interpreting() else {"maxnreg": cfg.maxnreg}
-    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
-    # rounded operands give the GPU kernel's result. (It also rounds to e4m3 wrongly, which
-    # the same flag works around for e4m3 partials.)
-    norm = args.normalized_partials
-    upcast = interpreting() and (torch.bfloat16 in (q.dtype, args.out_dtype) or norm)
     _kvouter_partials_kernel[(sched.num_programs,)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens,
         index.entry_token, index.seg_offsets,
@@ -315,10 +289,10 @@ def kvouter_partials_tl(
         args.scales if args.scales is not None else partial_m,
         G=group, GP=gp, TQ=tq, D=d, BD=bd, BS=args.block_size, PS=args.page_size,
         CAUSAL=args.causal,
-        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
-        UPCAST=upcast, FILL=FILL_ROWS,
-        Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8 and not upcast,
-        PV_DT=tl_dtype(args.out_dtype), NORM=norm,
+        PREC="ieee" if q.dtype == torch.float32 else None,
+        FILL=FILL_ROWS,
+        Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
+        PV_DT=tl_dtype(args.out_dtype), NORM=args.normalized_partials,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return partial_o, partial_m, partial_l

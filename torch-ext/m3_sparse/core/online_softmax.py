@@ -10,10 +10,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .interpreter import dot
+
 
 @triton.jit
 def online_softmax_step(
-    acc, m_i, l_i, b_s, b_v, PREC: tl.constexpr, UPCAST: tl.constexpr, PV_DT: tl.constexpr,
+    acc, m_i, l_i, b_s, b_v, PREC: tl.constexpr, PV_DT: tl.constexpr,
 ):
     """Fold one key tile into the running row state. b_s: [M, N] masked scores (-inf where a
     key is not visible); b_v: [N, BD] the tile's values. Returns (acc, m, l)."""
@@ -23,11 +25,7 @@ def online_softmax_step(
     alpha = tl.exp2(m_i - m_safe)  # [M]
     b_p = tl.exp2(b_s - m_safe[:, None])  # [M, N]
     l_i = l_i * alpha + tl.sum(b_p, 1)
-    # P is rounded to the P @ V dtype (the output's); the interpreter takes the dot in fp32
-    # on the same rounded operands (its bf16 dot is wrong).
-    if UPCAST:
-        b_pv = tl.dot(b_p.to(PV_DT).to(tl.float32), b_v.to(tl.float32), input_precision=PREC)  # [M, BD]
-    else:
-        b_pv = tl.dot(b_p.to(PV_DT), b_v.to(PV_DT), input_precision=PREC)  # [M, BD]
+    # P is rounded to the P @ V dtype (the output's).
+    b_pv = dot(b_p.to(PV_DT), b_v.to(PV_DT), PREC)  # [M, BD]
     acc = acc * alpha[:, None] + b_pv
     return acc, m_new, l_i

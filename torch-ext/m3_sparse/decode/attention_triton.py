@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ..core.args import AttnArgs
-from ..core.launch import contiguous, interpreting, next_pow2, tl_dtype
+from ..core.interpreter import dot
+from ..core.launch import contiguous, next_pow2, tl_dtype
 from ..core.online_softmax import online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args, value_checks_enabled
@@ -107,7 +108,6 @@ def _decode_split_kernel(
     SEQ_CHUNK: tl.constexpr,
     SEQ_STEPS: tl.constexpr,
     PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
     WIDEN_K: tl.constexpr,
@@ -177,8 +177,6 @@ def _decode_split_kernel(
     head = g * G + offs_r
     p_q = q_ptr + t.to(tl.int64) * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [RP, BD]
-    if UPCAST:
-        b_q = b_q.to(tl.float32)
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     if ONE_PAGE:
@@ -217,13 +215,11 @@ def _decode_split_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         b_k = tl.load(k_head + off_k[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
         b_v = tl.load(v_head + off_v[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-        elif WIDEN_K:
+        if WIDEN_K:
             b_k = b_k.to(b_q.dtype)  # fp8 keys against a float q
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale  # [RP, BN], log2 units
+        b_s = dot(b_q, tl.trans(b_k), PREC) * qk_scale  # [RP, BN], log2 units
         b_s = tl.where(k_ok[None, :], b_s, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, UPCAST, PV_DT)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, PV_DT)
     if KV_FP8:
         acc = acc * tl.load(scale_ptr + 2)
 
@@ -314,9 +310,6 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
     p = plan(args, cfg)
     bn, bd, rp, num_splits, num_warps, num_stages = p.bn, p.bd, p.rp, p.num_splits, p.num_warps, p.num_stages
     final, merge = p.final, p.merge
-    # Triton's interpreter (3.9) computes bf16 dots wrongly; fp32 dots of the same
-    # rounded operands give the GPU kernel's result.
-    upcast = interpreting() and torch.bfloat16 in (q.dtype, out_dtype)
     seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
     counts = None
     if arrival_counts is not None:
@@ -350,8 +343,8 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
         TOPK_P2=max(2, next_pow2(topk)),
         CAUSAL=args.causal, FINAL=final, MERGE=merge, RETURN_LSE=args.return_lse,
         SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk),
-        PREC="ieee" if q.dtype == torch.float32 or upcast else None,
-        UPCAST=upcast, Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8 and not upcast,
+        PREC="ieee" if q.dtype == torch.float32 else None,
+        Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8,
         PV_DT=tl_dtype(out_dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

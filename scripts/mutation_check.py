@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Mutation check: break the kernels on purpose, one named change at a time, and make sure the
+tests that claim to check that code fail.
+
+A mutation replaces a literal text in one file of ``torch-ext/m3_sparse/`` inside a temporary
+copy of the repository (``torch-ext/``, ``tests/``, ``pyproject.toml``; the working tree is never
+written) and runs the kernel tests it names there. Each named test (a node id; a test
+function names all its parameter sets) must fail under the mutation, and pass on the
+unmutated copy, which runs first. The first named test is a quick one: ``--short`` runs
+only that one per mutation (the others are the existing tests that catch it too). A mutation whose text no longer occurs exactly as often as
+it says stops the check with an error, so the list cannot rot into mutations that apply
+nowhere; so does a named test that no longer exists or is skipped here.
+
+Some mutations change only what runs under Triton's interpreter (the stand-ins of
+``core/interpreter.py``); on a GPU they change nothing, so they are skipped there.
+
+    python scripts/mutation_check.py --list         # the mutations, the CI list marked
+    python scripts/mutation_check.py --short        # the CI list, quick tests (tests/test_mutations.py)
+    python scripts/mutation_check.py --all          # every mutation
+    python scripts/mutation_check.py NAME [NAME...] # chosen ones
+
+Exit status 0 when every mutation ran is caught; 1 when one survives; 2 on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = Path("torch-ext") / "m3_sparse"
+COPIED = ("torch-ext", "tests", "pyproject.toml")
+TIMEOUT_S = 1800
+
+K = "tests/kernels/"
+BRANCHES = K + "test_interpreter_branches.py::"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # under torch-ext/m3_sparse/
+    old: str
+    new: str
+    tests: tuple[str, ...]  # node ids that must each fail, the quick one first
+    what: str
+    count: int = 1  # occurrences of ``old`` in the file (all are replaced)
+    interpreter_only: bool = False
+
+
+MUTATIONS = (
+    Mutation(
+        name="kvouter_widened_key_scale", path="kvouter/partials_triton.py",
+        old="b_kt = b_kt.to(q_dt)  # fp8", new="b_kt = (b_kt.to(tl.float32) * 1.25).to(q_dt)  # fp8",
+        tests=(BRANCHES + "test_widened_fp8_keys_against_a_bf16_q[kvouter]",
+               K + "test_fp8_attention.py::test_fp8_caches[q16-causal-triton-kvouter]"),
+        what="KV-outer: fp8 keys widened for a bf16 q come out 1.25x too large",
+    ),  # fmt: skip
+    Mutation(
+        name="decode_widened_key_scale", path="decode/attention_triton.py",
+        old="b_k = b_k.to(b_q.dtype)  # fp8", new="b_k = (b_k.to(tl.float32) * 1.25).to(b_q.dtype)  # fp8",
+        tests=(BRANCHES + "test_widened_fp8_keys_against_a_bf16_q[decode]",
+               K + "test_fp8_attention.py::test_fp8_caches[q16-causal-triton-decode]"),
+        what="decode: fp8 keys widened for a bf16 q come out 1.25x too large",
+    ),  # fmt: skip
+    Mutation(
+        name="dense_widened_key_scale", path="dense/attention_triton.py",
+        old="b_k = b_k.to(b_q.dtype)  # fp8", new="b_k = (b_k.to(tl.float32) * 1.25).to(b_q.dtype)  # fp8",
+        tests=(BRANCHES + "test_widened_fp8_keys_against_a_bf16_q[dense]",
+               K + "test_fp8_attention.py::test_fp8_caches[q16-causal-triton-dense]"),
+        what="dense: fp8 keys widened for a bf16 q come out 1.25x too large",
+    ),  # fmt: skip
+    Mutation(
+        name="e4m3_rounding_skipped", path="core/interpreter.py",
+        old="x = round_e4m3(x)", new="x = tl.clamp(x, -448.0, 448.0)",
+        tests=(BRANCHES + "test_e4m3_conversion_rounds_to_nearest_even_and_saturates",
+               BRANCHES + "test_e4m3_partials_round_like_the_torch_stage"),
+        what="e4m3 partials and queries left to the interpreter's own fp32 -> e4m3 conversion",
+        interpreter_only=True,
+    ),  # fmt: skip
+    Mutation(
+        name="e4m3_rounding_two_bits", path="core/interpreter.py",
+        old="step = tl.exp2((exp - 3).to(tl.float32))", new="step = tl.exp2((exp - 2).to(tl.float32))",
+        tests=(BRANCHES + "test_e4m3_conversion_rounds_to_nearest_even_and_saturates",
+               BRANCHES + "test_e4m3_partials_round_like_the_torch_stage"),
+        what="the e4m3 rounding keeps 2 mantissa bits instead of 3",
+        interpreter_only=True,
+    ),  # fmt: skip
+    Mutation(
+        name="e4m3_partials_unnormalized", path="kvouter/partials_triton.py",
+        old="b_o = to_e4m3(b_o / tl.where(b_l == 0.0, 1.0, b_l)[:, None])", new="b_o = to_e4m3(b_o)",
+        tests=(BRANCHES + "test_e4m3_partials_round_like_the_torch_stage",
+               K + "test_fp8_partials.py::test_partials_kernel_matches_the_torch_stage"),
+        what="e4m3 partials stored as raw O instead of O / l",
+    ),  # fmt: skip
+    Mutation(
+        name="bf16_dot_stand_in_dropped", path="core/interpreter.py",
+        old="if INTERPRETER and (a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16):", new="if False:",
+        tests=(BRANCHES + "test_dot_of_bf16_operands_is_exact_products_in_fp32",
+               BRANCHES + "test_widened_fp8_keys_against_a_bf16_q"),
+        what="bf16 dots left to the interpreter, which multiplies their bit patterns",
+        interpreter_only=True,
+    ),  # fmt: skip
+    Mutation(
+        name="combine_drops_a_partial", path="kvouter/combine_triton.py",
+        old="live = row_ok & (b_slot >= 0)", new="live = row_ok & (b_slot >= 0) & (k > 0)",
+        tests=(BRANCHES + "test_e4m3_partials_round_like_the_torch_stage",
+               K + "test_triton_kvouter.py::test_combine_matches_torch"),
+        what="the combine leaves out each row's first partial",
+    ),  # fmt: skip
+    Mutation(
+        name="combine_drops_v_scale", path="kvouter/combine_triton.py",
+        old="b_out = b_out * tl.load(scale_ptr)", new="b_out = b_out",
+        tests=(BRANCHES + "test_e4m3_partials_round_like_the_torch_stage",
+               K + "test_fp8_partials.py::test_combine_of_normalized_partials"),
+        what="the combine of e4m3 partials forgets V's scale",
+    ),  # fmt: skip
+    Mutation(
+        name="decode_softmax_scale", path="decode/attention_triton.py",
+        old="float(args.softmax_scale) * LOG2E,", new="float(args.softmax_scale) * 1.1 * LOG2E,",
+        tests=(K + "test_triton_decode.py::test_decode_matches_reference",),
+        what="the decode kernel's softmax scale 10% too large",
+    ),  # fmt: skip
+    Mutation(
+        name="kvouter_softmax_scale", path="kvouter/partials_triton.py",
+        old="float(args.softmax_scale) * LOG2E,", new="float(args.softmax_scale) * 1.1 * LOG2E,",
+        tests=(K + "test_triton_kvouter.py::test_composed_matches_reference",),
+        what="the KV-outer partials kernel's softmax scale 10% too large",
+    ),  # fmt: skip
+    Mutation(
+        name="index_tie_to_higher_id", path="index/topk_triton.py",
+        old="(cand > worst_val)[:, None]", new="(cand >= worst_val)[:, None]",
+        tests=(K + "test_triton_index_topk.py::test_exact_ties_prefer_lower_block_ids",),
+        what="the index kernel lets a later (higher) block win a tie for the last kept slot",
+    ),  # fmt: skip
+)
+BY_NAME = {m.name: m for m in MUTATIONS}
+# What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter
+# used to skip, and one each of the combine and the index kernel.
+SHORT = (
+    "kvouter_widened_key_scale",
+    "decode_widened_key_scale",
+    "dense_widened_key_scale",
+    "e4m3_rounding_skipped",
+    "combine_drops_a_partial",
+    "index_tie_to_higher_id",
+)
+
+
+class MutationError(Exception):
+    """The check itself cannot run as written (rotted text, missing tests, a failing baseline)."""
+
+
+def copy_tree(dest: Path) -> Path:
+    """The parts of the repository the kernel tests need, copied under ``dest``."""
+    ignore = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def mutated_text(m: Mutation, text: str) -> str:
+    found = text.count(m.old)
+    if found != m.count:
+        raise MutationError(
+            f"{m.name}: {m.path} holds {found} occurrence(s) of {m.old!r}, expected {m.count}; "
+            "update the mutation to the current source"
+        )
+    return text.replace(m.old, m.new)
+
+
+@contextlib.contextmanager
+def applied(tree: Path, m: Mutation):
+    """``m`` applied to the copy at ``tree`` while active."""
+    path = tree / PACKAGE / m.path
+    original = path.read_text()
+    path.write_text(mutated_text(m, original))
+    try:
+        yield
+    finally:
+        path.write_text(original)
+
+
+REPORT_PLUGIN = '''
+import json, os
+
+_outcomes = {}
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+    elif report.skipped:
+        _outcomes.setdefault(report.nodeid, "skipped")
+    elif report.when == "call":
+        _outcomes.setdefault(report.nodeid, "passed")
+
+def pytest_sessionfinish(session):
+    with open(os.environ["MUTATION_REPORT"], "w") as f:
+        json.dump(_outcomes, f)
+'''
+
+
+def run_tests(tree: Path, tests: list[str]) -> tuple[dict[str, str], str]:
+    """Run ``tests`` in the copy at ``tree``: (outcome of each test that ran, output tail)."""
+    (tree / "_mutation_report.py").write_text(REPORT_PLUGIN)
+    report = tree / "_mutation_report.json"
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", MUTATION_REPORT=str(report))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_mutation_report", *tests]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    if not report.exists():
+        raise MutationError(f"pytest ended without a report (exit {proc.returncode}):\n{tail}")
+    return json.loads(report.read_text()), tail
+
+
+def selected(outcomes: dict[str, str], test: str) -> dict[str, str]:
+    """The outcomes of the tests node id ``test`` names (itself, or its parameter sets)."""
+    return {k: v for k, v in outcomes.items() if k == test or k.startswith(test + "[")}
+
+
+def named_tests(m: Mutation, quick: bool = False) -> tuple[str, ...]:
+    return m.tests[:1] if quick else m.tests
+
+
+def check_baseline(tree: Path, mutations: list[Mutation], quick: bool = False) -> float:
+    """Every named test exists, runs here and passes on the unmutated copy; returns seconds."""
+    tests = sorted({t for m in mutations for t in named_tests(m, quick)})
+    t0 = time.monotonic()
+    outcomes, tail = run_tests(tree, tests)
+    for t in tests:
+        got = selected(outcomes, t)
+        if not got:
+            raise MutationError(f"named test {t} does not exist (renamed or removed?)\n{tail}")
+        bad = {k: v for k, v in got.items() if v != "passed"}
+        if bad:
+            raise MutationError(f"unmutated, these tests do not pass, so they can catch nothing: {bad}\n{tail}")
+    return time.monotonic() - t0
+
+
+def check_mutation(tree: Path, m: Mutation, quick: bool = False) -> tuple[list[str], float, str]:
+    """Run ``m``'s tests with ``m`` applied: (the named tests that did not fail, seconds, output)."""
+    tests = named_tests(m, quick)
+    t0 = time.monotonic()
+    with applied(tree, m):
+        outcomes, tail = run_tests(tree, list(tests))
+    missed = [t for t in tests if "failed" not in selected(outcomes, t).values()]
+    return missed, time.monotonic() - t0, tail
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutations to run (see --list)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    ap.add_argument("--short", action="store_true", help="the CI list, the first named test of each")
+    ap.add_argument("--all", action="store_true", help="every mutation")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            flags = " [CI]" if m.name in SHORT else ""
+            flags += " [interpreter only]" if m.interpreter_only else ""
+            print(f"{m.name}{flags}: {m.what}\n  {m.path}: {m.old!r} -> {m.new!r}")
+            print("".join(f"  must fail: {t}\n" for t in m.tests), end="")
+        return 0
+    chosen = list(MUTATIONS) if args.all else [BY_NAME[n] for n in SHORT] if args.short else []
+    unknown = [n for n in args.names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown mutation(s) {unknown}; --list shows them")
+    chosen += [BY_NAME[n] for n in args.names if BY_NAME[n] not in chosen]
+    if not chosen:
+        ap.error("name mutations, or give --short, --all or --list")
+    gpu = on_gpu()
+    todo = [m for m in chosen if not (gpu and m.interpreter_only)]
+    for m in chosen:
+        if m not in todo:
+            print(f"{m.name}: skipped (changes only what runs under Triton's interpreter)")
+    tmp = Path(tempfile.mkdtemp(prefix="m3-mutations-"))
+    try:
+        tree = copy_tree(tmp)
+        for m in todo:  # every text applies before anything runs
+            mutated_text(m, (tree / PACKAGE / m.path).read_text())
+        secs = check_baseline(tree, todo, args.short)
+        print(f"baseline: the named tests pass unmutated ({secs:.0f} s)", flush=True)
+        survived = []
+        for m in todo:
+            missed, secs, tail = check_mutation(tree, m, args.short)
+            print(f"{m.name}: {'caught' if not missed else 'SURVIVED'} ({secs:.0f} s) - {m.what}", flush=True)
+            for t in missed:
+                print(f"  did not fail: {t}")
+            if missed:
+                survived.append(m.name)
+                print(tail)
+    except (MutationError, subprocess.TimeoutExpired) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"copy kept at {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if survived:
+        print(f"{len(survived)} of {len(todo)} mutation(s) survived: {', '.join(survived)}")
+        return 1
+    print(f"all {len(todo)} mutation(s) caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
