@@ -8,18 +8,19 @@ Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own mo
 1. ``past_key_values.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
    and returns the page pools;
 2. ``self.indexer(...)``: while ``m3_sparse`` is active the indexer's forward is
-   :func:`indexer_forward`: same projections, norms and rotary embedding, then the
-   index keys go to the paged index cache and ``m3_sparse.index_topk`` selects the
-   blocks (no ``[Sq, Sk]`` score tensor);
+   :func:`indexer_forward`: same projections, norms and rotary embedding (``index_prep``,
+   one launch on CUDA), then the index keys go to the paged index cache and
+   ``m3_sparse.index_topk`` selects the blocks (no ``[Sq, Sk]`` score tensor);
 3. the attention interface, :func:`m3_sparse_attention`, runs
    ``m3_sparse.sparse_attention`` on the pages (the decode kernel or KV-outer, chosen from
    the step's query length), and ``dense_paged_attention`` for full-attention layers,
    for sparse layers whose history every query selects whole, and, bidirectional, for
    the vision tower.
 
-The mask function hands the attention function the 2-D padding mask unchanged
-(never a 4-D mask), from which it learns how many of each sequence's new tokens are
-real (right padding).
+Padding: before the layers run, the wrapped ``create_causal_mask`` hands the forward
+pass's 2-D padding mask to the paged cache (``M3PagedCache.begin_step``), which places
+each sequence's new tokens; the mask function passes the same 2-D mask on (never a 4-D
+mask), which only the path without a paged cache reads.
 
 Under ``torch.compile`` (``generate()``'s compiled decode) the ops are called as their
 custom ops (``custom_ops``: one opaque graph node each), and nothing here reads a host
@@ -31,11 +32,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, create_masks_for_generate
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
-
-from transformers.masking_utils import create_masks_for_generate
 
 from .. import api, custom_ops
 from ..core.validate import debug_enabled
