@@ -10,9 +10,10 @@ The prompt is encoded with the checkpoint's tokenizer when it has one; otherwise
 ``--prompt`` text becomes token ids byte by byte (UTF-8) and ``--prompt-tokens N``
 draws N random ids. ``--compare-sdpa`` reruns the same weights with
 ``attn_implementation="sdpa"`` (transformers' own dense-mask implementation of the
-same sparse attention) and exits with status 1 unless both agree, up to block-selection
-near-ties: two blocks whose index scores lie within rounding of each other, which the two
-paths may rank differently (``m3_hf_attention.compare`` tells these from a bug).
+same sparse attention) and exits with status 1 unless both agree, up to near-ties: two
+key blocks whose index scores, or two MoE experts whose router scores, lie within rounding
+of each other, which the two paths may rank differently (``m3_hf_attention.compare`` tells
+these from a bug).
 
 Examples::
 
@@ -305,8 +306,9 @@ def check_exact(model, batch: Batch, m3_tokens: torch.Tensor, gen_kwargs: dict, 
     """Prefill logits within ``tol`` x max(1, |logit|) and identical greedy tokens.
 
     A row whose logits differ more is accepted only where the difference comes from
-    block-selection near-ties (m3_hf_attention.compare): blocks whose index scores lie
-    within rounding of each other, ranked differently by the two paths. A first differing
+    near-ties (m3_hf_attention.compare): key blocks whose index scores, or MoE experts
+    whose router scores, lie within rounding of each other, ranked differently by the two
+    paths. A first differing
     token is accepted only where sdpa's own logits for the two candidates are within that
     same bound (a tie at the precision of the check).
     Returns (verdict per row: "agree", "near-tie" or "disagree"; sdpa prefill logits per row).
@@ -424,8 +426,8 @@ def parse_args(argv=None):
         "--compare-sdpa",
         action="store_true",
         help="rerun with attn_implementation='sdpa' on the same weights; exit 1 unless the generated tokens "
-        "are identical and the prefill logits close, or differ only through block-selection near-ties (blocks whose "
-        "index scores lie within rounding of each other, ranked differently). The exact check runs in fp32 (a "
+        "are identical and the prefill logits close, or differ only through near-ties (key blocks whose index scores, "
+        "or MoE experts whose router scores, lie within rounding of each other, ranked differently). The exact check runs in fp32 (a "
         "bf16/fp16 run also loads an fp32 copy of the weights); a bf16/fp16 run is held to sdpa's own rounding error",
     )
     p.add_argument(
@@ -542,7 +544,7 @@ def main(argv=None) -> int:
         half_logits = None
         if dtype != torch.float32:
             # The exact check needs fp32: keep this run's logits, then swap in an fp32 copy of the weights.
-            half_logits = (m3_prefill_logits(model, batch, device), compare_sdpa.sdpa_reference(model, batch.rows)[0])
+            half_logits = (m3_prefill_logits(model, batch, device), compare_sdpa.sdpa_reference(model, batch.rows).logits)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -1,20 +1,24 @@
-"""m3_sparse against transformers' ``sdpa`` path, telling a block-selection near-tie from a bug.
+"""m3_sparse against transformers' ``sdpa`` path, telling a near-tie from a bug.
 
-Both paths pick each query's key blocks by a max-pooled index score computed in fp32. Where
-two blocks score within rounding of each other, two summation orders may rank them the other
-way round: the query then attends a different block, and its output (and whatever later
-layers build on it) moves by far more than rounding, though neither path is wrong.
+Two discrete choices in an M3 layer can flip on a rounding difference. Each sparse layer
+picks a query's key blocks by a max-pooled index score, and each MoE layer picks a token's
+experts by a router score, both in fp32. Where two blocks (or two experts) score within
+rounding of each other, the two paths may rank them the other way round: the token then
+attends another block or goes through another expert, and its hidden state (and whatever
+later layers build on it) moves by far more than rounding, though neither path is wrong.
 
 :func:`check_prefill` compares the prefill logits of each row with an unpadded sdpa run of
-that row. A row beyond the bound is run again on m3_sparse with sdpa's selection handed to
-every sparse layer (a forward hook on the indexers replaces their output), which separates
-the causes:
+that row. A row beyond the bound is run again on m3_sparse with sdpa's choices handed to
+every layer (forward hooks replace the indexers' selections and the routers' experts),
+which separates the causes:
 
 * the rerun still differs: the attention differs given the same blocks, a bug;
-* it agrees: only selections differed. In the rerun every layer's input equals sdpa's up to
-  rounding, so wherever m3_sparse's own choice differs from sdpa's there, the blocks in one
-  selection only must score within :func:`tie_bound` of each other (scores in float64 from
-  that layer's input); any other difference is a wrong selection.
+* it agrees: only choices differed. In the rerun every layer's input equals sdpa's up to
+  rounding, so wherever m3_sparse's own choice differs from sdpa's there, the blocks (or
+  experts) in one choice only must score within a rounding bound of each other:
+  :func:`tie_bound` for the index scores, :func:`routing_bound` for the router's, both
+  scored in float64 from the rerun's input to that layer. Any other difference is a wrong
+  choice.
 
 ``tol`` bounds |logit difference| relative to max(1, largest |sdpa logit|) of the row.
 """
@@ -22,6 +26,7 @@ the causes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -97,15 +102,14 @@ def block_scores64(indexer, hidden, cos, sin, position: int, head: int, blocks: 
 # one differing selection
 # ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SelectionDiff:
-    """Where m3_sparse's selection differs from sdpa's: the visible blocks each chose
-    (sorted), the float64 scores of the blocks only one chose, their spread ``gap`` and the
+class ChoiceDiff:
+    """Where m3_sparse chose differently from sdpa at one (layer, row, position): what each
+    chose (sorted), the float64 scores of what only one chose, their spread ``gap`` and the
     ``bound`` rounding can explain; ``reason`` says why no score can explain it (gap inf)."""
 
     layer: int
     row: int
     position: int
-    head: int
     m3: tuple[int, ...]
     sdpa: tuple[int, ...]
     scores: dict[int, float] = field(default_factory=dict)
@@ -113,18 +117,36 @@ class SelectionDiff:
     bound: float = 0.0
     reason: str = ""
 
+    item = "item"  # what is chosen, in messages
+    score = "scores"  # what ranks it
+
     @property
     def near_tie(self) -> bool:
         return self.gap <= self.bound  # False for an inf or nan gap
 
+    def where(self) -> str:
+        return f"layer {self.layer}, position {self.position}"
+
     def describe(self) -> str:
-        where = f"layer {self.layer}, position {self.position}, KV head {self.head}"
         chosen = f"m3_sparse {list(self.m3)}, sdpa {list(self.sdpa)}"
         if self.reason:
-            return f"{where}: {chosen}: {self.reason}"
-        scores = ", ".join(f"block {b} {s:.9g}" for b, s in sorted(self.scores.items()))
+            return f"{self.where()}: {chosen}: {self.reason}"
+        scores = ", ".join(f"{self.item} {b} {s:.9g}" for b, s in sorted(self.scores.items()))
         rel = "<=" if self.near_tie else ">"
-        return f"{where}: {chosen}; float64 index scores {scores}: gap {self.gap:.3g} {rel} bound {self.bound:.3g}"
+        return (f"{self.where()}: {chosen}; float64 {self.score} {scores}: gap {self.gap:.3g} {rel} "
+                f"bound {self.bound:.3g}")
+
+
+@dataclass(frozen=True)
+class SelectionDiff(ChoiceDiff):
+    """A sparse layer's key blocks for one query and KV head (visible blocks only)."""
+
+    head: int = 0
+    item = "block"
+    score = "index scores"
+
+    def where(self) -> str:
+        return f"layer {self.layer}, position {self.position}, KV head {self.head}"
 
 
 def structural_reason(m3_blocks, sdpa_blocks, position: int, block_size: int, local_blocks: int) -> str:
@@ -252,7 +274,7 @@ class SelectionRecorder:
         later_layer = self.first_layer_only and self._first_layer.setdefault(row, layer) != layer
         if later_layer or self._scored.get(row, 0) >= self.score_limit:
             why = "not scored (a later layer)" if later_layer else f"not scored (past {self.score_limit} in this row)"
-            self.diffs.append(SelectionDiff(layer, row, p, h, tuple(mine), tuple(theirs), gap=math.nan, reason=why))
+            self.diffs.append(SelectionDiff(layer, row, p, tuple(mine), tuple(theirs), gap=math.nan, reason=why, head=h))
             return
         self._scored[row] = self._scored.get(row, 0) + 1
         self.diffs.append(score_diff(module, hidden, cos, sin, layer=layer, row=row, position=p, head=h,
@@ -263,37 +285,175 @@ class SelectionRecorder:
 
 
 # ---------------------------------------------------------------------------------------
+# MoE routing
+# ---------------------------------------------------------------------------------------
+def routers(model) -> dict[int, torch.nn.Module]:
+    """{decoder layer index: its MoE router} of a model's text layers."""
+    return {mod.self_attn.layer_idx: mod.mlp.gate for mod in model.modules()
+            if isinstance(mod, m3.MiniMaxM3VLDecoderLayer) and isinstance(mod.mlp, m3.MiniMaxM3VLSparseMoeBlock)}
+
+
+@contextlib.contextmanager
+def layer_hooks(modules: dict[int, torch.nn.Module], hook):
+    """Forward hooks ``hook(layer, module, args, output)`` on {layer: module}."""
+    handles = [mod.register_forward_hook(functools.partial(hook, layer)) for layer, mod in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_bound(abs_dot: float, hidden_size: int, dtype: torch.dtype, weight_norm: float, input_diff: float,
+                  bias: float) -> float:
+    """The largest gap between two experts' router scores that the two paths may rank the
+    other way round.
+
+    A score is sigmoid(w_e . h) + bias_e. The logit of each path lies within
+    :func:`tie_bound` of the other's for the same h (``abs_dot`` = sum_i |w_i h_i|), and the
+    inputs h themselves differ by ``input_diff`` (2-norm, measured), which moves a logit by
+    at most ``weight_norm`` (the largest |w_e|) times that. The sigmoid's slope is at most
+    1/4, so a pair's score difference moves by at most half a logit's bound; the fp32
+    sigmoid and bias add round a score by 2 u (1 + |bias|) per path, four scores in all.
+    """
+    logit = tie_bound(abs_dot, hidden_size, dtype) + weight_norm * input_diff
+    return logit / 2 + 8 * 2.0**-24 * (1.0 + bias)
+
+
+@torch.no_grad()
+def router_scores64(router, hidden: torch.Tensor, experts: Sequence[int]):
+    """Float64 router scores of ``experts`` for one token's router input ``hidden`` [H]:
+    ({expert: score}, {expert: sum_i |w_i h_i|})."""
+    x = hidden.double()
+    w = router.weight.to(x.device, torch.float64)[list(experts)]
+    bias = router.e_score_correction_bias.to(x.device, torch.float64)[list(experts)]
+    scores = torch.sigmoid(w @ x) + bias
+    abs_dots = w.abs() @ x.abs()
+    return dict(zip(experts, scores.tolist())), dict(zip(experts, abs_dots.tolist()))
+
+
+@dataclass(frozen=True)
+class RoutingDiff(ChoiceDiff):
+    """A MoE layer's experts for one token; the bound also covers the measured difference
+    of the router's inputs (:func:`routing_bound`)."""
+
+    item = "expert"
+    score = "router scores"
+
+    def where(self) -> str:
+        return f"layer {self.layer} MoE router, position {self.position}"
+
+
+def routing_diff(router, layer: int, row: int, position: int, mine: Sequence[int], theirs: Sequence[int],
+                 hidden: torch.Tensor, their_hidden: torch.Tensor) -> RoutingDiff:
+    """A :class:`RoutingDiff` scored from m3_sparse's router input ``hidden`` [H], with
+    sdpa's input ``their_hidden`` [H] for the input difference."""
+    only = sorted(set(mine) ^ set(theirs))
+    scores, abs_dots = router_scores64(router, hidden, only)
+    w = router.weight.to(hidden.device, torch.float64)[only]
+    bound = routing_bound(max(abs_dots.values()), router.hidden_dim, router.weight.dtype,
+                          float(w.norm(dim=1).max()), float((hidden.double() - their_hidden.to(hidden).double()).norm()),
+                          float(router.e_score_correction_bias.abs().max()))
+    return RoutingDiff(layer, row, position, tuple(mine), tuple(theirs), scores,
+                       max(scores.values()) - min(scores.values()), bound)
+
+
+@contextlib.contextmanager
+def capture_routing(model, store: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    """While active, ``store[layer]`` is each MoE layer's last (experts [S, k] int64 sorted,
+    router input [S, H] fp32), on the CPU, from a forward of one unpadded row."""
+
+    def hook(layer, module, args, output):
+        store[layer] = (output[2].sort(-1).values.cpu(), args[0].reshape(-1, module.hidden_dim).float().cpu())
+
+    with layer_hooks(routers(model), hook):
+        yield store
+
+
+class RoutingRecorder:
+    """Forward hooks on the m3_sparse model's MoE routers: each token's experts are
+    compared, row by row, with sdpa's (``reference[row][layer]`` as :func:`capture_routing`
+    stores it); the differences are collected in ``diffs``, the first ``score_limit`` of
+    each row scored. ``replay=True`` hands each router sdpa's experts in place of its own
+    (their weights from its own scores, as the router computes them).
+
+    The routers see the batch flattened: row ``b``'s real tokens are tokens
+    ``b * width + offsets[b]`` on, ``width`` being the batch's padded length.
+    """
+
+    def __init__(self, reference: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], offsets: Sequence[int],
+                 width: int, *, replay: bool, score_limit: int = DEFAULT_SCORE_LIMIT):
+        self.reference, self.offsets, self.width, self.replay = reference, list(offsets), width, replay
+        self.score_limit = score_limit
+        self.diffs: list[RoutingDiff] = []
+        self._scored: dict[int, int] = {}
+
+    def hook(self, layer, module, args, output):
+        logits, weights, experts = output
+        hidden = args[0].reshape(-1, module.hidden_dim)
+        chosen = experts.clone() if self.replay else experts
+        for row, ref_layers in enumerate(self.reference):
+            theirs, their_hidden = ref_layers[layer]
+            start = row * self.width + self.offsets[row]
+            tokens = slice(start, start + theirs.shape[0])
+            mine = experts[tokens].sort(-1).values.cpu()
+            for p in (mine != theirs).any(-1).nonzero()[:, 0].tolist():
+                self._record(module, layer, row, p, mine[p].tolist(), theirs[p].tolist(), hidden[start + p],
+                             their_hidden[p])
+            if self.replay:
+                chosen[tokens] = theirs.to(chosen.device, chosen.dtype)
+        if not self.replay:
+            return None
+        picked = torch.sigmoid(logits.float()).gather(1, chosen)
+        return logits, (picked / picked.sum(-1, keepdim=True)).to(weights.dtype), chosen
+
+    def _record(self, module, layer, row, p, mine, theirs, hidden, their_hidden):
+        if self._scored.get(row, 0) >= self.score_limit:
+            self.diffs.append(RoutingDiff(layer, row, p, tuple(mine), tuple(theirs), gap=math.nan,
+                                          reason=f"not scored (past {self.score_limit} in this row)"))
+            return
+        self._scored[row] = self._scored.get(row, 0) + 1
+        self.diffs.append(routing_diff(module, layer, row, p, mine, theirs, hidden, their_hidden))
+
+    def attach(self, model):
+        return layer_hooks(routers(model), self.hook)
+
+
+# ---------------------------------------------------------------------------------------
 # the verdict of one row
 # ---------------------------------------------------------------------------------------
-def classify(err: float, bound: float, replay_err: float | None, diffs: Sequence[SelectionDiff]) -> tuple[Verdict, str]:
+def classify(err: float, bound: float, replay_err: float | None, diffs: Sequence[ChoiceDiff]) -> tuple[Verdict, str]:
     """Verdict and explanation for a row whose prefill logits differ from sdpa's by
     ``err`` (bound ``bound``); ``replay_err`` is the difference of the rerun with sdpa's
-    selections and ``diffs`` the selections m3_sparse would have made differently there."""
+    choices (block selections and MoE experts) and ``diffs`` the choices m3_sparse would
+    have made differently there."""
     head = f"prefill logits differ by {err:.3g} > bound {bound:.3g}"
     if err <= bound:
         return "agree", f"prefill logits close: max |m3_sparse - sdpa| = {err:.3g} (bound {bound:.3g})"
     if replay_err is None or not math.isfinite(replay_err):
-        return "disagree", f"{head}; no rerun with sdpa's selections to explain it"
+        return "disagree", f"{head}; no rerun with sdpa's choices to explain it"
     if replay_err > bound:
         return "disagree", (
-            f"{head}, and by {replay_err:.3g} with sdpa's block selections at every sparse layer: the attention "
-            "differs given the same blocks (not a selection near-tie)"
+            f"{head}, and by {replay_err:.3g} with sdpa's block selections and MoE experts at every layer: the "
+            "attention differs given the same blocks (not a near-tie)"
         )
     if not diffs:
         return "disagree", (
-            f"{head}, though m3_sparse selects sdpa's blocks at every layer and a rerun agrees ({replay_err:.3g}): "
+            f"{head}, though m3_sparse makes sdpa's choices at every layer and a rerun agrees ({replay_err:.3g}): "
             "the first run is not reproduced"
         )
     wrong = [d for d in diffs if not d.near_tie]
     if wrong:
         return "disagree", (
-            f"{head}; {len(wrong)} of {len(diffs)} differing block selections are not near-ties, the first at "
+            f"{head}; {len(wrong)} of {len(diffs)} differing choices are not near-ties, the first at "
             f"{wrong[0].describe()}"
         )
     widest = max(diffs, key=lambda d: d.gap / d.bound if d.bound else 0.0)
+    kinds = " and ".join(k for k, t in (("block-selection", SelectionDiff), ("MoE-routing", RoutingDiff))
+                         if any(isinstance(d, t) for d in diffs))
     return "near-tie", (
-        f"{head}, from {len(diffs)} block-selection near-tie(s) (largest gap {widest.gap:.3g} <= {widest.bound:.3g}): "
-        f"{diffs[0].describe()}; with sdpa's selections the logits agree ({replay_err:.3g}): accepted"
+        f"{head}, from {len(diffs)} {kinds} near-tie(s) (largest gap {widest.gap:.3g} <= {widest.bound:.3g}): "
+        f"{diffs[0].describe()}; with sdpa's choices the logits agree ({replay_err:.3g}): accepted"
     )
 
 
@@ -305,7 +465,7 @@ class RowCheck:
     last_err: float  # the same at the last prompt position (the first generated token's logits)
     sdpa_logits: torch.Tensor  # [len, vocab] fp32, CPU
     replay_err: float | None = None
-    diffs: list[SelectionDiff] = field(default_factory=list)
+    diffs: list[ChoiceDiff] = field(default_factory=list)
 
     @property
     def verdict(self) -> Verdict:
@@ -333,17 +493,29 @@ def attn_implementation(model, name: str):
         model.set_attn_implementation(before)
 
 
-def sdpa_reference(sdpa_model, rows) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]]]:
-    """Each row alone, unpadded, on sdpa: (logits [len, vocab] fp32 CPU, {layer: selection})."""
-    logits, selections = [], []
+@dataclass
+class Reference:
+    """sdpa's run of each row alone, unpadded: per row, the logits [len, vocab] (fp32, CPU),
+    {layer: block selection} (see :func:`capture_selections`) and {layer: MoE routing}
+    (see :func:`capture_routing`)."""
+
+    logits: list[torch.Tensor]
+    selections: list[dict[int, torch.Tensor]]
+    routing: list[dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def sdpa_reference(sdpa_model, rows) -> Reference:
+    """Each row alone, unpadded, on sdpa."""
+    ref = Reference([], [], [])
     with attn_implementation(sdpa_model, "sdpa"), torch.no_grad():
         for row in rows:
-            store: dict[int, torch.Tensor] = {}
-            with capture_selections(sdpa_model, store):
+            selections, routing = {}, {}
+            with capture_selections(sdpa_model, selections), capture_routing(sdpa_model, routing):
                 ids = torch.as_tensor(row, device=sdpa_model.device)[None]
-                logits.append(sdpa_model(input_ids=ids).logits[0].float().cpu())
-            selections.append(store)
-    return logits, selections
+                ref.logits.append(sdpa_model(input_ids=ids).logits[0].float().cpu())
+            ref.selections.append(selections)
+            ref.routing.append(routing)
+    return ref
 
 
 def row_errors(logits: torch.Tensor, refs: Sequence[torch.Tensor], offsets: Sequence[int]):
@@ -361,27 +533,28 @@ def check_prefill(m3_model, m3_forward: Callable[[], torch.Tensor], sdpa_model, 
     """Compare m3_sparse's prefill with sdpa's, row by row (see the module docstring).
 
     ``m3_forward()`` runs the batch on ``m3_model`` and returns its logits [B, W, vocab];
-    it is called once, and once more with sdpa's selections when a row differs. ``rows``:
+    it is called once, and once more with sdpa's choices when a row differs. ``rows``:
     each row's real tokens; row b sits at columns ``offsets[b]`` on (default: left padded
     to W). ``sdpa_model`` may be ``m3_model`` itself, switched to sdpa for its runs.
     """
-    ref_logits, ref_sel = sdpa_reference(sdpa_model, rows)
+    ref = sdpa_reference(sdpa_model, rows)
     with torch.no_grad():
         logits = m3_forward()
     if offsets is None:
         offsets = [logits.shape[1] - len(r) for r in rows]
-    bounds = [tol * max(1.0, ref.abs().max().item()) for ref in ref_logits]
-    errs = row_errors(logits, ref_logits, offsets)
+    bounds = [tol * max(1.0, want.abs().max().item()) for want in ref.logits]
+    errs = row_errors(logits, ref.logits, offsets)
     replay_errs, diffs = [None] * len(rows), [[] for _ in rows]
     if any(e > bd for (e, _), bd in zip(errs, bounds)):
-        recorder = SelectionRecorder(ref_sel, offsets, replay=True, score_limit=score_limit)
-        with recorder.attach(m3_model), torch.no_grad():
+        selections = SelectionRecorder(ref.selections, offsets, replay=True, score_limit=score_limit)
+        routing = RoutingRecorder(ref.routing, offsets, logits.shape[1], replay=True, score_limit=score_limit)
+        with selections.attach(m3_model), routing.attach(m3_model), torch.no_grad():
             replayed = m3_forward()
-        replay_errs = [e for e, _ in row_errors(replayed, ref_logits, offsets)]
-        for d in recorder.diffs:
+        replay_errs = [e for e, _ in row_errors(replayed, ref.logits, offsets)]
+        for d in sorted(selections.diffs + routing.diffs, key=lambda d: (d.layer, d.position)):
             diffs[d.row].append(d)
     return [
-        RowCheck(b, errs[b][0], bounds[b], errs[b][1], ref_logits[b], replay_errs[b], diffs[b])
+        RowCheck(b, errs[b][0], bounds[b], errs[b][1], ref.logits[b], replay_errs[b], diffs[b])
         for b in range(len(rows))
     ]
 

@@ -1,5 +1,5 @@
-"""m3_hf_attention.compare: a block-selection near-tie between m3_sparse and sdpa is told
-from a wrong selection and from an attention that differs given the same blocks."""
+"""m3_hf_attention.compare: a block-selection or MoE-routing near-tie between m3_sparse and
+sdpa is told from a wrong choice and from an attention that differs given the same blocks."""
 
 from __future__ import annotations
 
@@ -74,6 +74,25 @@ def test_tie_bound_is_the_dot_rounding_of_both_paths():
     assert compare.tie_bound(10.0, 32, torch.bfloat16) > 100 * compare.tie_bound(10.0, 32, torch.float32)
 
 
+def test_routing_bound_is_half_a_logit_bound_plus_the_sigmoid_rounding():
+    u = 2.0**-24
+    exact = compare.routing_bound(10.0, 128, torch.float32, weight_norm=2.0, input_diff=0.0, bias=0.5)
+    assert exact == pytest.approx(compare.tie_bound(10.0, 128, torch.float32) / 2 + 8 * u * 1.5)
+    moved = compare.routing_bound(10.0, 128, torch.float32, weight_norm=2.0, input_diff=1e-4, bias=0.5)
+    assert moved - exact == pytest.approx(2.0 * 1e-4 / 2)
+
+
+def test_routing_near_tie_and_wrong_routing_verdicts():
+    tie = compare.RoutingDiff(1, 0, 40, (0, 3), (0, 5), {3: 0.7, 5: 0.7 - 1e-7}, gap=1e-7, bound=1e-6)
+    verdict, message = compare.classify(0.3, 3e-4, 2e-6, [tie])
+    assert verdict == "near-tie" and "MoE-routing" in message and "layer 1 MoE router, position 40" in message
+    wrong = compare.RoutingDiff(1, 0, 40, (0, 3), (0, 5), {3: 0.9, 5: 0.2}, gap=0.7, bound=1e-6)
+    verdict, message = compare.classify(0.3, 3e-4, 2e-6, [tie, wrong])
+    assert verdict == "disagree" and "1 of 2 differing choices are not near-ties" in message
+    unscored = compare.RoutingDiff(1, 0, 41, (0, 3), (0, 5), gap=math.nan, reason="not scored")
+    assert not unscored.near_tie and compare.classify(0.3, 3e-4, 2e-6, [unscored])[0] == "disagree"
+
+
 def test_differing_compares_attended_blocks():
     own = torch.tensor([[[0, 1, -1], [1, 0, 2], [2, 0, 1]]], dtype=torch.int32)  # [Hi=1, S=3, K=3], block size 1
     ref = torch.tensor([[[0, -1, -1], [0, 1, -1], [2, 1, 0]]], dtype=torch.int32)
@@ -109,8 +128,13 @@ def prompt(length=100, seed=6):
     return random_prompt(length, torch.Generator().manual_seed(seed))
 
 
-def run_check(sparse, dense, ids):
-    return compare.check_prefill(sparse, lambda: sparse(ids[None]).logits, dense, [ids], tol=TOL)[0]
+def run_check(sparse, dense, ids, hook=None):
+    """check_prefill of one row; ``hook``: a hook handle on ``sparse``, removed after the check."""
+    try:
+        return compare.check_prefill(sparse, lambda: sparse(ids[None]).logits, dense, [ids], tol=TOL)[0]
+    finally:
+        if hook is not None:
+            hook.remove()
 
 
 def test_float64_scores_select_what_the_stock_indexer_selects(models):
@@ -173,11 +197,8 @@ def test_exact_tie_is_a_near_tie(checkpoint):
         output[0, 0, pos] = torch.tensor(mine)
         return output
 
-    handle = sparse.model.layers[0].self_attn.indexer.register_forward_hook(pick_other)
-    try:
-        check = run_check(sparse, dense, ids)
-    finally:
-        handle.remove()
+    indexer = sparse.model.layers[0].self_attn.indexer
+    check = run_check(sparse, dense, ids, hook=indexer.register_forward_hook(pick_other))
     assert check.err > 100 * check.bound
     assert check.verdict == "near-tie", check.message
     first = next(d for d in check.diffs if d.position == pos and d.head == 0)
@@ -204,11 +225,8 @@ def test_wrong_block_is_rejected(models):
         output[0, 1, pos] = torch.tensor([worst if b == theirs[-1] else b for b in theirs])
         return output
 
-    handle = sparse.model.layers[layer].self_attn.indexer.register_forward_hook(swap_worst)
-    try:
-        check = run_check(sparse, dense, ids)
-    finally:
-        handle.remove()
+    indexer = sparse.model.layers[layer].self_attn.indexer
+    check = run_check(sparse, dense, ids, hook=indexer.register_forward_hook(swap_worst))
     assert check.verdict == "disagree", check.message
     assert f"layer {layer}, position {pos}, KV head 1" in check.message and "not near-ties" in check.message
     assert check.diffs[0].gap > 1e3 * check.diffs[0].bound
@@ -230,3 +248,81 @@ def test_differing_attention_output_is_rejected(models):
         handle.remove()
     assert check.verdict == "disagree" and "given the same blocks" in check.message
     assert check.diffs == []
+
+
+# ---------------------------------------------------------------------------------------
+# MoE routing on a model
+# ---------------------------------------------------------------------------------------
+MOE_LAYER = 1  # the tiny model's MoE layer
+
+
+def routed(dense, ids) -> dict:
+    store = {}
+    with compare.capture_routing(dense, store), torch.no_grad():
+        dense(ids[None])
+    return store
+
+
+def force_experts(sparse, pos: int, experts: list[int]):
+    """A hook that makes m3_sparse's MoE router send token ``pos`` to ``experts``."""
+
+    def hook(module, args, output):
+        logits, weights, index = output
+        index = index.clone()
+        index[pos] = torch.tensor(experts)
+        return logits, weights, index
+
+    return sparse.model.layers[MOE_LAYER].mlp.gate.register_forward_hook(hook)
+
+
+def test_float64_router_scores_pick_what_the_router_picks(models):
+    """router_scores64 is the router's own math: its top-k is the router's choice wherever
+    the k-th and (k+1)-th scores are apart."""
+    _, dense = models
+    experts, hidden = routed(dense, prompt())[MOE_LAYER]
+    router = compare.routers(dense)[MOE_LAYER]
+    everyone = list(range(router.num_experts))
+    checked = 0
+    for p in range(hidden.shape[0]):
+        scores, _ = compare.router_scores64(router, hidden[p], everyone)
+        ranked = sorted(everyone, key=scores.get, reverse=True)
+        if scores[ranked[router.top_k - 1]] - scores[ranked[router.top_k]] < 1e-6:
+            continue
+        assert sorted(ranked[: router.top_k]) == experts[p].tolist(), p
+        checked += 1
+    assert checked > 50
+
+
+def test_routing_tie_is_a_near_tie(checkpoint):
+    """The MoE router's weights zero in both models: every expert scores sigmoid(0), an
+    exact tie. m3_sparse is made to route one token to other experts than sdpa did: the
+    logits move far beyond the bound, and the check accepts it as a routing near-tie (gap 0)."""
+    sparse, dense = load(checkpoint)
+    with torch.no_grad():
+        for model in (sparse, dense):
+            model.model.layers[MOE_LAYER].mlp.gate.weight.zero_()
+    ids, pos = prompt(), 70
+    theirs = routed(dense, ids)[MOE_LAYER][0][pos].tolist()
+    router = compare.routers(dense)[MOE_LAYER]
+    mine = [e for e in range(router.num_experts) if e not in theirs][: router.top_k]
+    check = run_check(sparse, dense, ids, hook=force_experts(sparse, pos, mine))
+    assert check.err > 100 * check.bound
+    assert check.verdict == "near-tie", check.message
+    first = next(d for d in check.diffs if isinstance(d, compare.RoutingDiff))
+    assert (first.layer, first.position, list(first.m3), first.gap) == (MOE_LAYER, pos, sorted(mine), 0.0)
+    assert check.replay_err <= check.bound
+
+
+def test_wrong_routing_is_rejected(models):
+    """m3_sparse made to route one token to the experts its router scores lowest: not a near-tie."""
+    sparse, dense = models
+    ids, pos = prompt(), 70
+    _, hidden = routed(dense, ids)[MOE_LAYER]
+    router = compare.routers(dense)[MOE_LAYER]
+    scores, _ = compare.router_scores64(router, hidden[pos], list(range(router.num_experts)))
+    worst = sorted(scores, key=scores.get)[: router.top_k]
+    check = run_check(sparse, dense, ids, hook=force_experts(sparse, pos, worst))
+    assert check.verdict == "disagree", check.message
+    assert f"layer {MOE_LAYER} MoE router, position {pos}" in check.message and "not near-ties" in check.message
+    routing = [d for d in check.diffs if isinstance(d, compare.RoutingDiff)]
+    assert routing and routing[0].gap > 1e3 * routing[0].bound

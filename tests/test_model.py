@@ -1,7 +1,7 @@
 """The full model with m3_sparse against the same weights with sdpa, where
 transformers builds the dense block mask from its own indexer (an independent oracle).
 Prefill logits go through m3_hf_attention.compare, which accepts a difference only where it
-comes from block-selection near-ties (the rule of the example's --compare-sdpa)."""
+comes from block-selection or MoE-routing near-ties (the rule of the example's --compare-sdpa)."""
 
 from __future__ import annotations
 

@@ -7,19 +7,22 @@ fp32, loaded once): a sweep of ``--compare-sdpa``'s exact check, or a diagnosis 
 Sweep: every (seed, prompt length, batch size) draws the prompt the example draws
 (``--seed S --prompt-tokens N --batch-size B``), generates greedily on m3_sparse and runs the
 example's exact check (``check_exact``: prefill logits per row against an unpadded sdpa run,
-block-selection near-ties told from wrong selections by ``m3_hf_attention.compare``, greedy
-tokens). Prints each run's row verdicts with the lines that explain a near-tie or a
+block-selection and MoE-routing near-ties told from wrong choices by
+``m3_hf_attention.compare``, greedy tokens). Prints each run's row verdicts with the lines that explain a near-tie or a
 disagreement, then the counts of agree / near-tie / disagree rows. Exit status 1 on any
 disagreement.
 
 ``--diagnose``: for each prompt, sdpa row by row, m3_sparse as it runs (the Triton kernels on
-CUDA), m3_sparse with sdpa's selections handed to every sparse layer, and with ``--torch-impl``
-m3_sparse under ``M3_SPARSE_IMPL=torch``. Every sparse layer's selection and every layer's
-attention output are captured. Per row it prints the first (layer, position, KV head) whose
-selection differs from sdpa's, both selections, the float64 index scores of the blocks that
-differ (from m3_sparse's layer input and from sdpa's), and "near-tie (gap X)" or "not a
-near-tie"; then whether the attention outputs agree where the selections are the same (a
-disagreement there is an attention-kernel bug). Memory: the captured attention outputs are
+CUDA), m3_sparse with sdpa's choices (block selections and MoE experts) handed to every
+layer, and with ``--torch-impl`` m3_sparse under ``M3_SPARSE_IMPL=torch``. Every sparse
+layer's selection, every MoE layer's experts and every layer's attention output are captured.
+Per row it prints the first (layer, position, KV head) whose selection differs from sdpa's,
+both selections, the float64 index scores of the blocks that differ (from m3_sparse's layer
+input and from sdpa's), and "near-tie (gap X)" or "not a near-tie"; the first token whose
+experts differ, with the float64 router scores of the experts that differ; then whether the
+attention outputs agree given the same choices (a disagreement there is an attention-kernel
+bug). A selection that differs by far more than rounding after an MoE layer whose experts
+differed is a consequence of that routing: the token's input to the layer is another. Memory: the captured attention outputs are
 fp32 on the host, batch x tokens x hidden per layer and run; scores are computed only for
 the blocks that differ, never a [tokens, tokens] matrix.
 
@@ -146,25 +149,32 @@ def capture_index_inputs(model, store: dict):
 
 
 def sdpa_rows(model, rows):
-    """Each row alone on sdpa: logits, selections, attention outputs and indexer inputs."""
+    """Each row alone on sdpa: logits, selections, MoE routing, attention outputs and indexer inputs."""
     out = []
     with compare.attn_implementation(model, "sdpa"), torch.no_grad():
         for row in rows:
-            sel, attn, inputs = {}, {}, {}
-            with compare.capture_selections(model, sel), capture_attention(model, attn), \
-                    capture_index_inputs(model, inputs):
+            sel, routing, attn, inputs = {}, {}, {}, {}
+            with compare.capture_selections(model, sel), compare.capture_routing(model, routing), \
+                    capture_attention(model, attn), capture_index_inputs(model, inputs):
                 logits = model(input_ids=torch.as_tensor(row, device=model.device)[None]).logits[0].float().cpu()
-            out.append(dict(logits=logits, sel=sel, attn={k: v[0] for k, v in attn.items()}, inputs=inputs))
+            out.append(dict(logits=logits, sel=sel, routing=routing, attn={k: v[0] for k, v in attn.items()},
+                            inputs=inputs))
     return out
 
 
 def m3_run(model, batch, device, refs, offsets, *, replay: bool, impl: str | None = None):
-    recorder = compare.SelectionRecorder(refs, offsets, replay=replay, first_layer_only=not replay)
+    """m3_sparse on the batch with its selections and MoE routing recorded against sdpa's
+    (``replay``: replaced by sdpa's); as it runs, only the first differences are scored."""
+    limit = compare.DEFAULT_SCORE_LIMIT if replay else 8
+    selections = compare.SelectionRecorder([r["sel"] for r in refs], offsets, replay=replay,
+                                           first_layer_only=not replay)
+    routing = compare.RoutingRecorder([r["routing"] for r in refs], offsets, batch.input_ids.shape[1],
+                                      replay=replay, score_limit=limit)
     attn = {}
     env = common.env_var("M3_SPARSE_IMPL", impl) if impl else contextlib.nullcontext()
-    with env, recorder.attach(model), capture_attention(model, attn):
+    with env, selections.attach(model), routing.attach(model), capture_attention(model, attn):
         logits = ex.m3_batch_logits(model, batch, device)
-    return dict(logits=logits, recorder=recorder, attn=attn)
+    return dict(logits=logits, recorder=selections, routing=routing, attn=attn)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
@@ -175,10 +185,10 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
 
 
 def print_attention(run_a, replay, ref, b, offsets, length, tol) -> dict[int, tuple[float, float]]:
-    """Per layer: max |m3_sparse - sdpa| of the attention output, as it ran and with sdpa's selections."""
+    """Per layer: max |m3_sparse - sdpa| of the attention output, as it ran and with sdpa's choices."""
     cols = slice(offsets[b], offsets[b] + length)
     print(f"  attention output per layer, max |m3_sparse - sdpa| (bound {tol:g} x max(1, |sdpa|)): "
-          "as it ran | with sdpa's selections")
+          "as it ran | with sdpa's choices and experts")
     found = {}
     for layer in sorted(ref["attn"]):
         want = ref["attn"][layer]
@@ -186,7 +196,7 @@ def print_attention(run_a, replay, ref, b, offsets, length, tol) -> dict[int, tu
         a, pa = max_diff(run_a["attn"][layer][b, cols], want)
         r, pr = max_diff(replay["attn"][layer][b, cols], want)
         kind = "sparse" if layer in ref["sel"] else "full"
-        flag = "" if r <= bound else "   <- DIFFERS with the same selections"
+        flag = "" if r <= bound else "   <- DIFFERS with the same choices"
         print(f"    layer {layer} ({kind}): {a:.3g} at position {pa} | {r:.3g} at position {pr} "
               f"(bound {bound:.3g}){flag}")
         found[layer] = (r, bound)
@@ -215,7 +225,7 @@ def diagnose_row(model, b, length, ref, runs, offsets, tol):
     print(f"row {b}: {length} tokens")
     bound = tol * max(1.0, ref["logits"].abs().max().item())
     errs = {name: compare.row_errors(run["logits"][b : b + 1], [ref["logits"]], [offsets[b]])[0][0]
-            for name, run in (("as it ran", run_a), ("with sdpa's selections", replay), ("torch impl", torch_run))
+            for name, run in (("as it ran", run_a), ("with sdpa's choices", replay), ("torch impl", torch_run))
             if run is not None}
     print("  prefill logits, max |m3_sparse - sdpa| (bound %.3g): " % bound
           + ", ".join(f"{k} {v:.3g}" for k, v in errs.items()))
@@ -242,8 +252,13 @@ def diagnose_row(model, b, length, ref, runs, offsets, tol):
         tdiffs = [d for d in torch_run["recorder"].diffs if d.row == b]
         print(f"  M3_SPARSE_IMPL=torch: {len(tdiffs)} selections differ from sdpa's"
               + (f", the first at {tdiffs[0].describe()}" if tdiffs else ""))
-    replay_diffs = [d for d in replay["recorder"].diffs if d.row == b]
-    verdict, message = compare.classify(errs["as it ran"], bound, errs["with sdpa's selections"], replay_diffs)
+    routes = [d for d in run_a["routing"].diffs if d.row == b]
+    if routes:
+        print(f"  MoE routings differing from sdpa's (as it ran): {len(routes)}, the first at {routes[0].describe()}")
+    else:
+        print("  no MoE routing differs from sdpa's (as it ran)")
+    replay_diffs = [d for d in replay["recorder"].diffs + replay["routing"].diffs if d.row == b]
+    verdict, message = compare.classify(errs["as it ran"], bound, errs["with sdpa's choices"], replay_diffs)
     print(f"  --compare-sdpa's verdict: {verdict}: {message}")
     return dict(row=b, tokens=length, verdict=verdict, message=message, logit_errors=errs,
                 first=diffs[0].describe() if diffs else None, differing=dict(per_layer))
@@ -254,10 +269,9 @@ def diagnose(model, device, seed, tokens, bsz, args) -> list[dict]:
     print(f"== seed {seed}, {tokens} tokens, batch {bsz} (lengths {[len(r) for r in batch.rows]})", flush=True)
     refs = sdpa_rows(model, batch.rows)
     offsets = [batch.input_ids.shape[1] - len(r) for r in batch.rows]
-    sel = [r["sel"] for r in refs]
-    run_a = m3_run(model, batch, device, sel, offsets, replay=False)
-    replay = m3_run(model, batch, device, sel, offsets, replay=True)
-    torch_run = m3_run(model, batch, device, sel, offsets, replay=False, impl="torch") if args.torch_impl else None
+    run_a = m3_run(model, batch, device, refs, offsets, replay=False)
+    replay = m3_run(model, batch, device, refs, offsets, replay=True)
+    torch_run = m3_run(model, batch, device, refs, offsets, replay=False, impl="torch") if args.torch_impl else None
     return [dict(seed=seed, **diagnose_row(model, b, len(row), refs[b], (run_a, replay, torch_run), offsets,
                                            args.logit_tol))
             for b, row in enumerate(batch.rows)]
