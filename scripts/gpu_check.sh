@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU verification in one go: the whole test suite on the GPU, then the benchmarks named on
-# the command line, each under its own time limit, logs in $OUT (default ./out/gpu_check) and
+# GPU verification in one go: the GPU test suite (`pytest -m gpu tests`), then the benchmarks
+# named on the command line, each under its own time limit, logs in $OUT (default ./out/gpu_check) and
 # a summary table printed last (with the test suite's passed / failed / skipped counts). The
 # exit status is 0 only when every step passed: 1 if a step failed, timed out or is unknown.
 #
@@ -11,7 +11,9 @@
 # long, generate, tp, memory, sanitize, long_run, sdpa_agreement (benchmarks/bench_NAME.py; long =
 # bench_long_prefill.py; sanitize, long_run and sdpa_agreement = benchmarks/reliability/NAME.py). Each step
 # gets --out $OUT/NAME. Wheels in ./.whl (an offline machine's copy of kernels and
-# hypothesis) are installed first when present. Environment: TEST_TIMEOUT (s, default 480),
+# hypothesis) are installed first when present. Environment: TEST_ARGS (pytest's selection,
+# default "-m gpu tests"; "tests" runs every test on the GPU, longer than the default limit),
+# TEST_TIMEOUT (s, default 480),
 # STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default: the CPU count, as most of a GPU test's
 # time is Triton compiling on the host; needs pytest-xdist).
 set -uo pipefail
@@ -63,7 +65,8 @@ run_step() {  # name, timeout, command...
 workers=()
 n_workers=${PYTEST_WORKERS:-$(nproc)}
 [[ "$n_workers" != 0 ]] && workers=(-n "$n_workers")
-run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rfE --tb=short tests
+read -ra test_args <<<"${TEST_ARGS:--m gpu tests}"
+run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rfE --tb=short "${test_args[@]}"
 
 for spec in "$@"; do
     name=${spec%%:*}
