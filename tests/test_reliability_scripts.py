@@ -87,6 +87,26 @@ def test_long_run_reserved_memory_and_settle_steps():
     assert settled["stable"] is True and settled["from_step"] == 30
 
 
+def test_long_run_divergence_tells_a_near_tie():
+    """Two runs that agree through step 2 and pick different tokens at step 3: a near-tie
+    when each run's margin is within the runs' logit difference so far, not otherwise."""
+    import types
+
+    import torch
+
+    lr = load("long_run")
+    base = torch.tensor([[5.0, 1.0, 0.0], [0.0, 4.0, 1.0], [1.0, 0.0, 3.0], [2.0, 2.01, 0.0]])
+    noisy = base + torch.tensor([0.0, 0.0, 0.05])  # 0.05 of rounding difference in every step
+    noisy[3] = torch.tensor([2.02, 2.0, 0.05])
+    run = lambda logits: {"probe": types.SimpleNamespace(logits=logits), "tokens": logits.argmax(-1)}  # noqa: E731
+    d = lr.divergence(run(base), run(noisy), lr.first_difference(base.argmax(-1), noisy.argmax(-1)))
+    assert d["step"] == 3 and d["tokens"] == (1, 0) and d["near_tie"]
+    assert d["margins"] == pytest.approx((0.01, 0.02)) and d["rounding_difference"] == pytest.approx(0.05)
+    noisy[3] = torch.tensor([3.0, 2.0, 0.05])  # eager's margin 1.0: far beyond the runs' difference
+    d = lr.divergence(run(base), run(noisy), 3)
+    assert not d["near_tie"]
+
+
 def test_long_run_quick_compiled_mode_on_the_cpu(tmp_path):
     """The CPU smoke run in compiled mode: generate() compiles nothing on the CPU, so the run
     must fail on that check alone (memory flat, fresh-cache run identical, the eager run
