@@ -300,8 +300,7 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
     hkv, page_size, group = args.hkv, args.page_size, args.group
     device = q.device
     q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
-    out = torch.empty(q.shape, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    out, lse = args.new_outputs()
     batch = args.batch
     if num_tokens == 0 or batch <= 0:
         return out, lse

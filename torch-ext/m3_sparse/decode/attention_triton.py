@@ -298,14 +298,8 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
     q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
     topk = selected.shape[2]
     device = q.device
-    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if args.return_lse else None
-    if num_tokens == 0 or batch == 0:
-        return out, lse
-    if topk == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
+    out, lse = args.new_outputs(no_keys=topk == 0)
+    if num_tokens == 0 or batch == 0 or topk == 0:
         return out, lse
     p = plan(args, cfg)
     bn, bd, rp, num_splits, num_warps, num_stages = p.bn, p.bd, p.rp, p.num_splits, p.num_warps, p.num_stages
