@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_e00d220bba"
+NAMESPACE = "_m3_sparse_cuda_20f5673138"
 
 ops = getattr(torch.ops, NAMESPACE)
 

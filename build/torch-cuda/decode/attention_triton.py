@@ -47,7 +47,7 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import contiguous, next_pow2, tl_dtype
-from ..core.online_softmax import online_softmax_step
+from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args, value_checks_enabled
 from .plan import DEFAULT_CONFIG, DecodeConfig, plan, shape_reason
@@ -127,10 +127,7 @@ def _decode_split_kernel(
     g = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr + 1)
-    if Q_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr)
+    qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
 
     # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
     # whole vectors of cu (one load for a decode batch) rather than a binary search,
