@@ -92,10 +92,11 @@ def attention_op(*, without: tuple[str, ...] = ()):
 
         @functools.wraps(body)
         def op(*args, **kwargs):
-            # Bound by hand: ``sig.bind`` costs more than all the checks, on every layer's call.
-            given = dict(defaults, **dict(zip(positional, args)), **kwargs)
-            if len(args) > len(positional) or given.keys() != names:
-                sig.bind(*args, **kwargs)  # raises the TypeError of a plain function
+            # Bound by hand: ``sig.bind`` is slow for a call every layer makes at every step.
+            by_position = dict(zip(positional, args))
+            given = {**defaults, **by_position, **kwargs}
+            if len(args) > len(positional) or given.keys() != names or not by_position.keys().isdisjoint(kwargs):
+                sig.bind(*args, **kwargs)  # raises the TypeError
             own_kwargs = {name: given.pop(name) for name in own_names}
             return body(attention_args(**given, sparse=sparse), **own_kwargs)
 
