@@ -3,7 +3,9 @@
 Each op builds its argument object (``core.validate``: shapes, dtypes, devices, and on the
 CPU or with ``M3_SPARSE_DEBUG=1`` the values of ids, lengths and page tables), asks
 ``dispatch`` which implementation runs, and hands the object to it. Nothing here copies
-device data to the host.
+device data to the host. The attention ops share one parameter list
+(``_attention_parameters``); :func:`attention_op` gives each op the part that applies to it
+and checks a call into its ``AttnArgs`` before the op's body runs.
 
 Layouts: queries are token-major ``[Tq, H, D]``; K/V caches are page pools
 ``[pages, Hkv, page_size, D]`` with ``block_tables [B, max_pages]``; ``cu_seqlens_q [B + 1]``
@@ -12,6 +14,9 @@ the last ones, right aligned) describe the varlen batch (``core.layout``).
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 
@@ -35,11 +40,70 @@ from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
 # have: each GPU path below imports its launchers when it first runs.
 
 
-def _checked(call: dict, sparse: bool = True) -> AttnArgs:
-    """The argument object of an attention op, from the op's own arguments (its ``locals()``
-    on entry: the public names are ``attention_args``'s names)."""
-    call = {k: v for k, v in call.items() if k not in ("config", "max_workspace_bytes")}
-    return attention_args(**call, sparse=sparse)
+def _attention_parameters(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    selected: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    page_size: int | None = None,
+    block_size: int = 128,
+    return_lse: bool = False,
+    q_scale: float | torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    partial_dtype: torch.dtype | None = None,
+):
+    """The parameters the attention ops share, written once: each op takes those that apply
+    to it (:func:`attention_op`). Never called."""
+
+
+_SHARED = tuple(inspect.signature(_attention_parameters).parameters.values())
+_SPARSE_ONLY = ("selected", "page_size", "block_size", "partial_dtype")
+
+
+def attention_op(*, without: tuple[str, ...] = ()):
+    """Make ``body(args, *, <own keywords>)`` a public attention op.
+
+    The op's signature is the shared parameters less ``without``, then ``body``'s own
+    keyword-only parameters (``config``, ...). A call is bound to that signature, checked
+    once into an :class:`AttnArgs` (sparse unless ``selected`` is left out) and handed to
+    ``body`` with the own keywords.
+    """
+
+    def wrap(body):
+        body_sig = inspect.signature(body)
+        own = tuple(body_sig.parameters.values())[1:]
+        sig = inspect.Signature(
+            [p for p in _SHARED if p.name not in without] + list(own), return_annotation=body_sig.return_annotation
+        )
+        params = sig.parameters.values()
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        names, own_names = sig.parameters.keys(), tuple(p.name for p in own)
+        sparse = "selected" not in without
+
+        @functools.wraps(body)
+        def op(*args, **kwargs):
+            # Bound by hand: ``sig.bind`` is slow for a call every layer makes at every step.
+            by_position = dict(zip(positional, args))
+            given = {**defaults, **by_position, **kwargs}
+            if len(args) > len(positional) or given.keys() != names or not by_position.keys().isdisjoint(kwargs):
+                sig.bind(*args, **kwargs)  # raises the TypeError
+            own_kwargs = {name: given.pop(name) for name in own_names}
+            return body(attention_args(**given, sparse=sparse), **own_kwargs)
+
+        op.__signature__ = sig
+        return op
+
+    return wrap
 
 
 # --------------------------------------------------------------------------- index branch
@@ -139,27 +203,9 @@ def _index_topk_gpu(args: IndexArgs, cfg: IndexConfig) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- KV-outer
+@attention_op(without=("max_seqlen_q",))
 def kvouter_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    page_size: int | None = None,
-    block_size: int = 128,
-    return_lse: bool = False,
-    max_workspace_bytes: int | None = None,
-    q_scale: float | torch.Tensor | None = None,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    partial_dtype: torch.dtype | None = None,
-    config: KVOuterConfig | None = None,
+    args: AttnArgs, *, max_workspace_bytes: int | None = None, config: KVOuterConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, KV-outer.
 
@@ -183,7 +229,6 @@ def kvouter_attention(
     (O / l in V's units) in half the bytes: the largest traffic of the op, at a larger
     error (docs/PERF.md, "e4m3 partials"). ``config``: launch choices (``KVOuterConfig``).
     """
-    args = _checked(locals())
     cfg = config or KVOuterConfig()
     budget = max_workspace_bytes if max_workspace_bytes is not None else cfg.workspace_bytes
     if budget is not None:
@@ -198,8 +243,7 @@ def _kvouter(args: AttnArgs, cfg: KVOuterConfig, budget: int | None) -> tuple[to
         return run(args, cfg)
     # Partials grow with the query rows (Tq * Hkv * topk * G * (2D + 8) bytes, 35 GB (33 GiB)
     # for 128K tokens of M3): run the query rows in slices that fit the workspace budget.
-    out = torch.empty(args.num_tokens, args.hq, args.d, dtype=args.out_dtype, device=args.q.device)
-    lse = torch.empty(args.hq, args.num_tokens, dtype=torch.float32, device=args.q.device) if args.return_lse else None
+    out, lse = args.new_outputs()
     if not args.causal:
         # A bidirectional row sees its whole sequence, so a slice keeps every kv length;
         # the rows placed before the first key (which see nothing) are emptied instead.
@@ -266,25 +310,9 @@ def kvouter_partials_gpu(
 
 
 # --------------------------------------------------------------------------- decode
+@attention_op(without=("max_seqlen_q", "partial_dtype"))
 def sparse_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    page_size: int | None = None,
-    block_size: int = 128,
-    return_lse: bool = False,
-    q_scale: float | torch.Tensor | None = None,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    config: DecodeConfig | None = None,
+    args: AttnArgs, *, config: DecodeConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention, query-outer (decode and short chunks): each query token reads
     its own selected blocks. Same arguments and results as :func:`kvouter_attention`.
@@ -295,7 +323,7 @@ def sparse_decode_attention(
     and the partial traffic. Nothing is read back to the host on CUDA tensors, so a call can
     be captured in a CUDA graph. ``config``: launch choices (``DecodeConfig``).
     """
-    return _decode(_checked(locals()), config or DecodeConfig())
+    return _decode(args, config or DecodeConfig())
 
 
 def _decode(args: AttnArgs, cfg: DecodeConfig):
@@ -306,27 +334,8 @@ def _decode(args: AttnArgs, cfg: DecodeConfig):
     return sparse_decode_attention_torch(args)
 
 
-def sparse_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    selected: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    max_seqlen_q: int | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    page_size: int | None = None,
-    block_size: int = 128,
-    return_lse: bool = False,
-    q_scale: float | torch.Tensor | None = None,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    partial_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@attention_op()
+def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention with the kernel chosen from host-known shapes: the
     query-outer decode kernel (:func:`sparse_decode_attention`) while sequences bring at
     most ``dispatch.decode_max_queries`` query rows each, where few queries share a block,
@@ -338,35 +347,17 @@ def sparse_attention(
     applies where KV-outer runs (the decode kernel merges its splits in registers); both
     branches check it the same way.
     """
-    args = _checked(locals())
     if dispatch.runs_decode(args):
         return _decode(args, DecodeConfig())
     return _kvouter(args, KVOuterConfig(), None)
 
 
 # --------------------------------------------------------------------------- dense
-def dense_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    return_lse: bool = False,
-    q_scale: float | torch.Tensor | None = None,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    max_seqlen_q: int | None = None,
-    config: DenseConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+@attention_op(without=_SPARSE_ONLY)
+def dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense attention over a paged K/V cache (full-attention layers, the vision tower with
     ``causal=False``), same layouts and fp8 options as :func:`kvouter_attention`.
     ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's query tile."""
-    args = _checked(locals(), sparse=False)
     cfg = config or DenseConfig()
     if dispatch.use_triton(args.q, dispatch.dense_unsupported(args), cfg.impl):
         from .dense import attention_triton as dense_triton

@@ -7,6 +7,7 @@ accelerator they need M3_SPARSE_DEBUG=1, so these tests use CPU tensors.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -356,3 +357,60 @@ def test_mismatched_devices(entry, key):
             a[k] = a[k].cuda()
     with pytest.raises(ValueError, match=re.escape(key)):
         ENTRY_POINTS[entry](a)
+
+
+# The attention ops' parameters as users pass them: the tensors by position, the rest by
+# keyword. The ops write their shared part once (``api.attention_op``).
+_PAGED = ["cu_seqlens_q", "used_kv_lens"]
+_QUANT = ["q_scale", "k_scale", "v_scale", "out_dtype"]
+SIGNATURES = {
+    "kvouter_attention": (
+        ["q", "k_cache", "v_cache", "selected", "block_tables"],
+        _PAGED + ["softmax_scale", "causal", "page_size", "block_size", "return_lse", *_QUANT, "partial_dtype",
+                  "max_workspace_bytes", "config"],
+    ),
+    "sparse_decode_attention": (
+        ["q", "k_cache", "v_cache", "selected", "block_tables"],
+        _PAGED + ["softmax_scale", "causal", "page_size", "block_size", "return_lse", *_QUANT, "config"],
+    ),
+    "sparse_attention": (
+        ["q", "k_cache", "v_cache", "selected", "block_tables"],
+        _PAGED + ["max_seqlen_q", "softmax_scale", "causal", "page_size", "block_size", "return_lse", *_QUANT,
+                  "partial_dtype"],
+    ),
+    "dense_paged_attention": (
+        ["q", "k_cache", "v_cache", "block_tables"],
+        _PAGED + ["max_seqlen_q", "softmax_scale", "causal", "return_lse", *_QUANT, "config"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_attention_op_signatures(name):
+    """Each op's parameters: the positional tensors in order, then keyword-only ones; only the
+    paged lengths have no default."""
+    positional, keywords = SIGNATURES[name]
+    params = inspect.signature(getattr(m3_sparse, name)).parameters.values()
+    assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == keywords
+    assert [p.name for p in params if p.default is p.empty] == positional + _PAGED
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_attention_op_binding_errors(name):
+    """A call the signature does not take raises TypeError before any check runs."""
+    fn, a = getattr(m3_sparse, name), base_args()
+    tensors = [a[n] for n in SIGNATURES[name][0]]
+    paged = {n: a[n] for n in _PAGED}
+    with pytest.raises(TypeError, match="positional"):
+        fn(*tensors, a["q"], **paged)
+    with pytest.raises(TypeError, match="used_kv_lens"):
+        fn(*tensors, cu_seqlens_q=a["cu_seqlens_q"])
+    with pytest.raises(TypeError, match="bogus"):
+        fn(*tensors, **paged, bogus=1)
+    with pytest.raises(TypeError, match="'q'"):
+        fn(*tensors, **paged, q=a["q"])
+    # The same call, bound right, runs: keywords in any order, q by keyword.
+    sized = {"block_size": BLOCK} if "block_size" in SIGNATURES[name][1] else {}
+    out, _ = fn(**sized, **dict(reversed(paged.items())), **dict(zip(SIGNATURES[name][0], tensors)))
+    assert out.shape == a["q"].shape

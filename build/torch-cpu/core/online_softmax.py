@@ -1,4 +1,5 @@
-"""The online-softmax step the query-outer kernels share (dense and decode attention).
+"""What the attention kernels share: the fp8 scales folded into the softmax scale (all three)
+and the online-softmax step (the query-outer kernels, dense and decode attention).
 
 Scores are in log2 units (``qk_scale`` folds in log2(e)); a row keeps its running max
 ``m`` (-inf until it sees a key), its running sum ``l`` of ``2^(s - m)`` and its unnormalized
@@ -11,6 +12,18 @@ import triton
 import triton.language as tl
 
 from .interpreter import dot
+
+
+@triton.jit
+def fold_fp8_scales(qk_scale, scale_ptr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr):
+    """``qk_scale`` times the dequantization scales of fp8 keys and queries, read on the
+    device from ``scale_ptr`` (fp32 [3]: q, k, v); V's scale is applied by each kernel where
+    its output takes it."""
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr + 1)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)
+    return qk_scale
 
 
 @triton.jit

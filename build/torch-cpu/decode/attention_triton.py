@@ -47,7 +47,7 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import contiguous, next_pow2, tl_dtype
-from ..core.online_softmax import online_softmax_step
+from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args, value_checks_enabled
 from .plan import DEFAULT_CONFIG, DecodeConfig, plan, shape_reason
@@ -127,10 +127,7 @@ def _decode_split_kernel(
     g = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr + 1)
-    if Q_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr)
+    qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
 
     # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
     # whole vectors of cu (one load for a decode batch) rather than a binary search,
@@ -298,14 +295,8 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
     q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
     topk = selected.shape[2]
     device = q.device
-    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if args.return_lse else None
-    if num_tokens == 0 or batch == 0:
-        return out, lse
-    if topk == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
+    out, lse = args.new_outputs(no_keys=topk == 0)
+    if num_tokens == 0 or batch == 0 or topk == 0:
         return out, lse
     p = plan(args, cfg)
     bn, bd, rp, num_splits, num_warps, num_stages = p.bn, p.bd, p.rp, p.num_splits, p.num_warps, p.num_stages

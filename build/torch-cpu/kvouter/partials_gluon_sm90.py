@@ -47,23 +47,15 @@ import functools
 
 import torch
 
-from ..core.gluon import HAVE_GLUON, TESTED_TRITON, platform_reason, triton_version  # noqa: F401
+from ..core.gluon import HAVE_GLUON, TESTED_TRITON, device_reason, triton_version  # noqa: F401
 
 if HAVE_GLUON:
-    from ..core.gluon import (
-        TensorDescriptor,
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from ..core.gluon import TensorDescriptor, gl, gluon, mbarrier, tma
+    from ..core.gluon import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     from ..core.gluon import sync_threads as _sync_threads
 
 from ..core.args import AttnArgs
-from ..core.launch import contiguous, device_index, interpreting
+from ..core.launch import contiguous
 from .build import KVOuterIndex
 from .partials import empty_partials
 from .schedule import Schedule
@@ -112,9 +104,7 @@ def unsupported_reason(
         return "more than 2^31 rows in q, the caches or the partials"
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "contiguous q and caches"
-    if interpreting() or q.device.type != "cuda":
-        return "needs a CUDA device (not the interpreter)"
-    why = platform_reason(device_index(q.device))
+    why = device_reason(q)
     if why is not None:
         return why
     if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):

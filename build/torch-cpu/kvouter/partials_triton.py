@@ -38,6 +38,7 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot, to_e4m3
 from ..core.launch import contiguous, interpreting, next_pow2, tl_dtype
+from ..core.online_softmax import fold_fp8_scales
 from .build import KVOuterIndex
 from .partials import empty_partials
 from .plan import DEFAULT_CONFIG, KVOuterConfig, group_pad, tile_rows_reason
@@ -189,12 +190,10 @@ def _kvouter_partials_kernel(
     BM: tl.constexpr = TQ * GP
     pid = tl.program_id(0)
     # Dequantization scales (q, k, v) of fp8 inputs, read on the device.
+    qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
     v_scale = 1.0
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr + 1)
         v_scale = tl.load(scale_ptr + 2)
-    if Q_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr)
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, BD)
     offs_n = tl.arange(0, BS)

@@ -84,6 +84,18 @@ class AttnArgs:
         """e4m3 partials store O / l in V's units (see ``kvouter.partials``)."""
         return self.partial_dtype is not None and self.partial_dtype != self.out_dtype
 
+    def new_outputs(self, no_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out [Tq, Hq, D] in ``out_dtype``, lse [Hq, Tq] fp32 or None), uninitialized, or
+        with ``no_keys`` what a query that sees no key gets: zeros, lse = -inf."""
+        device = self.q.device
+        if no_keys:
+            out = torch.zeros(self.num_tokens, self.hq, self.d, dtype=self.out_dtype, device=device)
+            lse = torch.full((self.hq, self.num_tokens), float("-inf"), device=device) if self.return_lse else None
+            return out, lse
+        out = torch.empty(self.num_tokens, self.hq, self.d, dtype=self.out_dtype, device=device)
+        lse = torch.empty(self.hq, self.num_tokens, dtype=torch.float32, device=device) if self.return_lse else None
+        return out, lse
+
     def replace(self, **changes) -> "AttnArgs":
         return dataclasses.replace(self, **changes)
 

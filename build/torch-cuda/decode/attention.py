@@ -28,21 +28,15 @@ def sparse_decode_attention_torch(args: AttnArgs) -> tuple[torch.Tensor, torch.T
     does."""
     q, k_cache, v_cache, selected, block_tables = args.q, args.k_cache, args.v_cache, args.selected, args.block_tables
     cu_seqlens_q, used_kv_lens, scales, out_dtype = args.cu_seqlens_q, args.used_kv_lens, args.scales, args.out_dtype
-    softmax_scale, causal, block_size, return_lse = args.softmax_scale, args.causal, args.block_size, args.return_lse
+    softmax_scale, causal, block_size = args.softmax_scale, args.causal, args.block_size
     sq, sk, sv = (None, None, None) if scales is None else scales.to(device=q.device, dtype=torch.float32).unbind()
     num_tokens, hq, d = q.shape
     _, hkv, page_size, _ = k_cache.shape
     topk = selected.shape[2]
     group = hq // hkv
     device = q.device
-    out = torch.empty(num_tokens, hq, d, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
-    if num_tokens == 0:
-        return out, lse
-    if topk == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
+    out, lse = args.new_outputs(no_keys=topk == 0)
+    if num_tokens == 0 or topk == 0:
         return out, lse
     seq_all, pos_all = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)
     kv = used_kv_lens.to(torch.int64)

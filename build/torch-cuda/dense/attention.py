@@ -21,13 +21,12 @@ def dense_paged_attention_torch(args: AttnArgs) -> tuple[torch.Tensor, torch.Ten
     (q, k, v) and P is rounded to ``out_dtype`` before P @ V, as the kernel does."""
     q, k_cache, v_cache, block_tables = args.q, args.k_cache, args.v_cache, args.block_tables
     cu_seqlens_q, used_kv_lens, scales, out_dtype = args.cu_seqlens_q, args.used_kv_lens, args.scales, args.out_dtype
-    softmax_scale, causal, return_lse = args.softmax_scale, args.causal, args.return_lse
+    softmax_scale, causal = args.softmax_scale, args.causal
     num_tokens, hq, d = q.shape
     hkv, page_size, group = args.hkv, args.page_size, args.group
     device = q.device
     sq, sk, sv = (None, None, None) if scales is None else scales.to(device=device, dtype=torch.float32).unbind()
-    out = torch.empty(q.shape, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    out, lse = args.new_outputs()
     if num_tokens == 0:
         return out, lse
     seq_all, pos_all = token_positions(cu_seqlens_q, used_kv_lens, num_tokens)

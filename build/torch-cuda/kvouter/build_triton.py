@@ -103,6 +103,21 @@ def _chunk_selection(
 
 
 @triton.jit
+def _program_chunk(
+    sel_ptr, cu_ptr, batch, topk, s_t, s_g, s_r, C: tl.constexpr, TK: tl.constexpr, BB: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """What a program of the rank and scatter passes works on: its chunk id and KV head (the
+    grid's two axes), the chunk's sequence, first token and tokens [C], and its selections
+    with their liveness (``_chunk_selection``)."""
+    chunk = tl.program_id(0)
+    g = tl.program_id(1)
+    seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
+    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
+    return chunk, g, seq, tok0, tok, b_sel, b_live
+
+
+@triton.jit
 def _max_op(a, b):
     return tl.maximum(a, b)
 
@@ -143,10 +158,7 @@ def _chunk_rank_kernel(
     UNROLL: tl.constexpr,
     KEY64: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    g = tl.program_id(1)
-    seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
-    _, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
+    chunk, g, _, tok0, _, b_sel, b_live = _program_chunk(sel_ptr, cu_ptr, batch, topk, s_t, s_g, s_r, C, TK, BB, UNROLL)
     N: tl.constexpr = C * TK
     LOG_N: tl.constexpr = N.bit_length() - 1
     offs_t = tl.arange(0, C)
@@ -241,10 +253,9 @@ def _scatter_kernel(
     BB: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    g = tl.program_id(1)
-    seq, tok0, tok_end = _locate_chunk(cu_ptr, chunk, batch, C, BB)
-    tok, b_sel, b_live = _chunk_selection(sel_ptr, tok0, tok_end, g, s_t, s_g, s_r, topk, C, TK, UNROLL)
+    chunk, g, seq, _, tok, b_sel, b_live = _program_chunk(
+        sel_ptr, cu_ptr, batch, topk, s_t, s_g, s_r, C, TK, BB, UNROLL
+    )
     offs_r = tl.arange(0, TK)
     b_blk = tl.where(b_live, b_sel, 0)
     p_slot = slot_ptr + (tok[:, None].to(tl.int64) * hkv + g) * topk + offs_r[None, :]  # [C, TK]

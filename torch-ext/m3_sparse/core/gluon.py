@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .launch import device_capability
+from .launch import device_capability, device_index, interpreting
 
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what the kernels need.
     from triton.experimental import gluon  # noqa: F401
@@ -50,3 +50,11 @@ def platform_reason(device_index: int) -> str | None:
     if device_capability(device_index) != (9, 0):
         return "needs sm_90 (wgmma and TMA as compiled here)"
     return None
+
+
+def device_reason(t: torch.Tensor) -> str | None:
+    """None, or why the Gluon kernels cannot run on ``t``'s device: they need a real CUDA
+    device (the interpreter runs no Gluon) with :func:`platform_reason`'s installation."""
+    if interpreting() or t.device.type != "cuda":
+        return "needs a CUDA device (not the interpreter)"
+    return platform_reason(device_index(t.device))

@@ -45,7 +45,7 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import contiguous, device_capability, device_index, interpreting, next_pow2, tl_dtype
-from ..core.online_softmax import online_softmax_step
+from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args
 from .plan import DEFAULT_CONFIG, DenseConfig, plan, shape_reason
@@ -154,10 +154,7 @@ def _dense_paged_attn_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     # fp8 inputs: the q and k scales fold into the softmax scale, v's into the output.
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr + 1)
-    if Q_FP8:
-        qk_scale = qk_scale * tl.load(scale_ptr)
+    qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
 
     # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
     lo = pid * 0
@@ -300,8 +297,7 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
     hkv, page_size, group = args.hkv, args.page_size, args.group
     device = q.device
     q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
-    out = torch.empty(q.shape, dtype=out_dtype, device=device)
-    lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=device) if return_lse else None
+    out, lse = args.new_outputs()
     batch = args.batch
     if num_tokens == 0 or batch <= 0:
         return out, lse

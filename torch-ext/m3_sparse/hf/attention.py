@@ -284,40 +284,22 @@ def m3_sparse_attention(
     # Passed only when set, like the scales, so a kernel build that predates it serves the rest.
     partial_dtype = layer.cache.partial_dtype if layer is not None else None
     partials = {"partial_dtype": partial_dtype} if partial_dtype is not None else {}
+    # What the sparse and the dense op both take.
+    paged = dict(
+        q=q, k_cache=k_pool, v_cache=v_pool, block_tables=tables, cu_seqlens_q=cu, used_kv_lens=kv_lens,
+        softmax_scale=scaling, causal=causal, **fp8,
+    )
     if block_indices is not None and not every_block_selected(
         layer if layer is not None else key.shape[2], block_indices.shape[-1],
         module.config.index_block_size,
     ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
         out, _ = _op(
-            "sparse_attention",
-            q=q,
-            k_cache=k_pool,
-            v_cache=v_pool,
-            selected=bi,
-            block_tables=tables,
-            cu_seqlens_q=cu,
-            used_kv_lens=kv_lens,
-            max_seqlen_q=q_len,
-            softmax_scale=scaling,
-            causal=causal,
-            block_size=module.config.index_block_size,
-            **fp8,
-            **partials,
+            "sparse_attention", **paged, selected=bi, max_seqlen_q=q_len,
+            block_size=module.config.index_block_size, **partials,
         )
     else:
-        out, _ = _op(
-            "dense_paged_attention",
-            q=q,
-            k_cache=k_pool,
-            v_cache=v_pool,
-            block_tables=tables,
-            cu_seqlens_q=cu,
-            used_kv_lens=kv_lens,
-            softmax_scale=scaling,
-            causal=causal,
-            **fp8,
-        )
+        out, _ = _op("dense_paged_attention", **paged)
     return out.view(batch, q_len, hq, d), None
 
 

@@ -33,23 +33,14 @@ from __future__ import annotations
 
 import torch
 
-from ..core.gluon import HAVE_GLUON, TESTED_TRITON, platform_reason, triton_version  # noqa: F401
+from ..core.gluon import HAVE_GLUON, TESTED_TRITON, device_reason, triton_version  # noqa: F401
 
 if HAVE_GLUON:
-    from ..core.gluon import (
-        TensorDescriptor,
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from ..core.gluon import TensorDescriptor, gl, gluon, mbarrier, tma
+    from ..core.gluon import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     from ..core.gluon import sync_threads as _sync_threads
 
 from ..core.args import IndexArgs
-from ..core.launch import device_index, interpreting
 from .plan import metadata
 
 BM = 128
@@ -92,9 +83,7 @@ def unsupported_reason(index_q, index_k_cache, *, block_size, fp8_dot, token_sca
         return "more than 2^31 key rows"
     if not k.is_contiguous() or k.data_ptr() % 16:
         return "a contiguous, 16-byte aligned index key cache"
-    if interpreting() or k.device.type != "cuda":
-        return "needs a CUDA device (not the interpreter)"
-    return platform_reason(device_index(k.device))
+    return device_reason(k)
 
 
 if HAVE_GLUON:
