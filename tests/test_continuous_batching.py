@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
@@ -195,6 +196,20 @@ def history_slots(step, req, length):
     """The cache slots of request ``req``'s first ``length`` tokens, read through its page table."""
     pos = torch.arange(length)
     return step.block_tables[req, pos // step.page_size].long() * step.page_size + pos % step.page_size
+
+
+def test_pool_sizing_counts_index_keys():
+    """The manager's memory estimate of the pool, per token slot, grows by at least the
+    sparse layers' index keys (2 sparse layers x 16 fp32 values here)."""
+    config = text_config()
+    cfg = ContinuousBatchingConfig(block_size=32, max_memory_percent=0.5)
+    footprint = {}
+    for impl in ("paged|sdpa", serving.CB_IMPLEMENTATION):
+        config._attn_implementation = impl
+        handler = cb_cache.PagedAttentionMemoryHandler(config, cfg, torch.float32, ["full_attention"], 3)
+        footprint[impl] = handler.compute_memory_footprint(256, 100) - handler.compute_memory_footprint(256, 0)
+    per_slot = (footprint[serving.CB_IMPLEMENTATION] - footprint["paged|sdpa"]) / (100 * 32)
+    assert 2 * 16 * 4 <= per_slot <= 2 * (2 * 16 * 4)
 
 
 def test_step_layout_matches_cache_indices():

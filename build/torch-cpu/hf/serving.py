@@ -21,7 +21,8 @@ attention, which this module plugs into without changing its manager or schedule
   keeps every token's K/V, and all layers then share one block table.
   ``num_blocks`` and ``max_batch_tokens`` come from ``PagedAttentionMemoryHandler``: the
   free device memory times ``max_memory_percent`` (0.8 / 0.9 by default), less activation
-  peaks, over the per-token K/V bytes of all layers.
+  peaks, over the per-token K/V bytes of all layers (``page_size``: ``Hkv * D`` per layer,
+  K or V), which ``_MemoryHandler`` grows by the sparse layers' index keys.
 * **Each step.** ``ContinuousBatchingIOs.get_model_kwargs`` hands the model one packed row:
   ``input_ids`` / ``position_ids`` ``[1, T]`` (every scheduled request's new tokens, prefill
   chunks and decode rows mixed, in request order), ``cu_seq_lens_q`` ``[R + 1]``,
@@ -77,6 +78,10 @@ _ORIGINAL_GROUP_LAYERS = getattr(
     cb_cache.group_layers_by_attn_type, "m3_sparse_original", cb_cache.group_layers_by_attn_type
 )
 
+_ORIGINAL_MEMORY_HANDLER = getattr(
+    cb_cache.PagedAttentionMemoryHandler, "m3_sparse_original", cb_cache.PagedAttentionMemoryHandler
+)
+
 
 def uses_paged_m3_sparse(config) -> bool:
     return getattr(config, "_attn_implementation", None) == CB_IMPLEMENTATION
@@ -93,6 +98,24 @@ def _group_layers(config):
 
 
 _group_layers.m3_sparse_original = _ORIGINAL_GROUP_LAYERS
+
+
+class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
+    """transformers' sizing of the cache (``max_memory_percent`` of the free memory), with the
+    index keys of the sparse layers counted in each token's bytes: they are spread over the
+    ``2 * group_size`` cache tensors that ``page_size`` (elements per tensor and token) stands for,
+    rounded up. The activation terms that read ``page_size`` grow with it: the estimate errs
+    towards a smaller pool."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        types = getattr(config, "layer_types", None) or []
+        sparse = sum(t == SPARSE_LAYER_TYPE for t in types)
+        if uses_paged_m3_sparse(config) and sparse:
+            self.page_size += -(-sparse * config.index_head_dim // (2 * self.group_size))
+
+
+_MemoryHandler.m3_sparse_original = _ORIGINAL_MEMORY_HANDLER
 
 
 def page_size_for(block_size: int) -> int:
@@ -351,11 +374,12 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register ``paged|m3_sparse`` with transformers and group M3's sparse layers as full
-    attention in its continuous-batching cache. Idempotent."""
+    """Register ``paged|m3_sparse`` with transformers; in its continuous-batching cache, group
+    M3's sparse layers as full attention and count their index keys in the sizing. Idempotent."""
     global _REGISTERED
     if _REGISTERED:
         return
     AttentionInterface.register(CB_IMPLEMENTATION, paged_m3_sparse_attention)
     cb_cache.group_layers_by_attn_type = _group_layers
+    cb_cache.PagedAttentionMemoryHandler = _MemoryHandler
     _REGISTERED = True
