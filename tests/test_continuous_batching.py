@@ -7,7 +7,12 @@ against its own cache bookkeeping, padded steps included."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,8 @@ import m3_hf_attention
 from model_utils import BLOCK, PAD, TOPK, random_prompt, randomize_norms, save_tiny_text_model, text_config, vl_config
 
 serving = m3_hf_attention.integration.serving
+ROOT = Path(__file__).resolve().parents[1]
+REPO_ID = "m3-hf-attention/m3-sparse"
 NEW_TOKENS = 10
 CB_BLOCK = 16  # tokens per block of the manager's cache: pages of 16 for the kernels
 CHUNK = 64  # max_batch_tokens: longer prompts are prefilled in several steps
@@ -153,6 +160,26 @@ def test_multimodal_model_given_text(tmp_path):
     vl = MiniMaxM3SparseForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="m3_sparse").eval()
     batch = prompts([20, 70], seed=4)
     assert run_batch(vl, batch) == [reference(vl, p) for p in batch]
+
+
+@pytest.mark.parametrize("suffix", ["", ":m3_sparse_attention"], ids=["repo", "repo:function"])
+def test_hub_string(checkpoint, model, suffix):
+    """A model loaded with the kernel's hub string (without importing m3_hf_attention) serves
+    through generate_batch: the manager's ``paged|`` + hub string runs this attention."""
+    impl = REPO_ID + suffix
+    env = dict(os.environ, LOCAL_KERNELS=f"{REPO_ID}={ROOT}", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "hub_string_serve.py"), str(checkpoint), impl],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["attn_implementation"] == impl and not got["imported_m3_hf_attention"]
+    assert got["served_attention"].endswith("hf.serving.paged_m3_sparse_attention")
+    assert got["served_mask"].endswith("hf.serving.no_mask")
+    assert got["errors"] == [None, None]
+    assert got["generated"] == [reference(model, p, 8) for p in got["prompts"]]
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_005eb99be7"
+NAMESPACE = "_m3_sparse_cuda_76db3fddc3"
 
 ops = getattr(torch.ops, NAMESPACE)
 

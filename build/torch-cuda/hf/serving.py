@@ -65,13 +65,15 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.modeling_utils import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..core.validate import SUPPORTED_PAGE_SIZES
 from .calls import call_op
-from .impl import ATTN_IMPLEMENTATION
+from .impl import ATTN_IMPLEMENTATION, names_m3_sparse
 
-CB_IMPLEMENTATION = f"paged|{ATTN_IMPLEMENTATION}"
+PAGED = "paged|"
+CB_IMPLEMENTATION = f"{PAGED}{ATTN_IMPLEMENTATION}"
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 
 _ORIGINAL_GROUP_LAYERS = getattr(
@@ -84,7 +86,26 @@ _ORIGINAL_MEMORY_HANDLER = getattr(
 
 
 def uses_paged_m3_sparse(config) -> bool:
-    return getattr(config, "_attn_implementation", None) == CB_IMPLEMENTATION
+    """Whether ``config`` runs ``paged|m3_sparse``, or ``paged|`` + a hub string of this package
+    (the name continuous batching gives a model loaded with the hub string)."""
+    impl = getattr(config, "_attn_implementation", None)
+    return isinstance(impl, str) and impl.startswith(PAGED) and names_m3_sparse(impl[len(PAGED):])
+
+
+def claim(impl: str) -> None:
+    """Make ``impl`` (from :func:`uses_paged_m3_sparse`) run this module's attention and no mask.
+    For ``paged|`` + a hub string, transformers registers its flash-attention paged wrapper and
+    the sdpa mask function when it switches the model; the model's ``create_causal_mask``
+    (wrapped in ``mask.py``) calls this before the first step builds a mask."""
+    if ALL_ATTENTION_FUNCTIONS.get(impl) is not paged_m3_sparse_attention:
+        AttentionInterface.register(impl, paged_m3_sparse_attention)
+        AttentionMaskInterface.register(impl, no_mask)
+
+
+def no_mask(*args, **kwargs) -> None:
+    """Mask function of ``paged|`` hub strings: the step's layout comes from the manager's
+    keywords, never from a ``[T, T]`` mask."""
+    return None
 
 
 def _group_layers(config):
