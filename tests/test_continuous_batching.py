@@ -143,6 +143,30 @@ def test_requests_join_mid_run(model, steps):
     assert any(1 in qs and max(qs) > 1 and len(qs) > 1 for qs, _ in steps)
 
 
+def test_prefix_cache_reuses_index_keys(model, steps):
+    """A request whose prompt starts with a finished request's blocks (transformers' prefix
+    cache) skips computing them: its sparse layers read the index keys the first request
+    wrote into those blocks, and its tokens still equal its own generate()."""
+    prefix, tail_a, tail_b = prompts([48, 20, 15], seed=5)
+    first, second = prefix + tail_a, prefix + tail_b
+    manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        results = []
+        for i, p in enumerate((first, second)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=NEW_TOKENS)
+            out = manager.get_result(request_id=f"r{i}", timeout=60)
+            assert out is not None and out.is_finished() and out.error is None
+            results.append(out.generated_tokens)
+            if i == 0:
+                done = len(steps)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert results == [reference(model, first), reference(model, second)]
+    (q,), (kv,) = steps[done]  # the second request's first step
+    assert (kv - q, kv) == (len(prefix), len(second))  # the prefix: three whole blocks, reused
+
+
 def test_requests_wait_for_pages(model, steps):
     # 10 blocks of 16 = 160 token slots: each request fits alone (<= 81 tokens), not all three at once.
     batch = prompts([70, 70, 45], seed=3)
