@@ -50,7 +50,7 @@ def prompts(lengths, seed=0) -> list[list[int]]:
 
 def reference(model, prompt, new_tokens=NEW_TOKENS) -> list[int]:
     """The request alone through generate() on m3_sparse."""
-    out = model.generate(torch.tensor([prompt]), generation_config=gen_config(new_tokens))
+    out = model.generate(torch.tensor([prompt], device=model.device), generation_config=gen_config(new_tokens))
     return out[0, len(prompt):].tolist()
 
 
