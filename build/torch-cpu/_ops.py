@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_e19f0ec2c0"
+NAMESPACE = "_m3_sparse_cpu_4da7cfb758"
 
 ops = getattr(torch.ops, NAMESPACE)
 

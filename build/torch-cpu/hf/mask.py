@@ -16,6 +16,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
+from . import serving
 from .cache import M3PagedCache, new_token_layout
 from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 
@@ -44,11 +45,15 @@ def create_causal_mask(*args, **kwargs):
     mask functions (sdpa's for ``"org/m3-sparse"``, flash-attention's for
     ``"org/m3-sparse:m3_sparse_attention"``): a 4-D mask, or a host read of the mask,
     and no record of padding for the paged cache. The first mask built for such a model
-    registers :func:`m3_sparse_mask` under its hub string instead.
+    registers :func:`m3_sparse_mask` under its hub string instead. Under continuous batching
+    (``paged|`` + the hub string) it hands the name to ``serving.claim``: the serving
+    attention function and no mask.
     """
     config = kwargs.get("config", args[0] if args else None)
     impl = getattr(config, "_attn_implementation", None)
-    if uses_m3_sparse(config):
+    if serving.uses_paged_m3_sparse(config):
+        serving.claim(impl)  # a hub string switched to continuous batching
+    elif uses_m3_sparse(config):
         if impl != ATTN_IMPLEMENTATION and ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not m3_sparse_mask:
             AttentionMaskInterface.register(impl, m3_sparse_mask)
         mask = kwargs.get("attention_mask")

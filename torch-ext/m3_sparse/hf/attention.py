@@ -29,16 +29,16 @@ value that changes from step to step.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, create_masks_for_generate
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from .. import api, custom_ops
+from .. import api
 from ..core.validate import debug_enabled
-from . import tp
+from . import serving, tp
+from .calls import call_op as _op
+from .calls import on_input_device as _on_input_device
 from .cache import M3PagedCache, M3PagedLayer, new_token_layout
 from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 from .mask import create_causal_mask, m3_sparse_mask, step_mask
@@ -55,30 +55,6 @@ _ORIGINAL_ATTENTION_FORWARD = getattr(
 
 def is_active(config) -> bool:
     return uses_m3_sparse(config)
-
-
-def _on_input_device(fn):
-    """Run ``fn(module, x, ...)`` with ``x``'s GPU as the current CUDA device: Triton launches
-    on the current device, and with a ``device_map`` a layer may sit on another GPU."""
-
-    @functools.wraps(fn)
-    def wrapper(module, x, *args, **kwargs):
-        # A compiled step runs on one device (generate() does not compile across devices).
-        if not torch.compiler.is_compiling() and x.is_cuda and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                return fn(module, x, *args, **kwargs)
-        return fn(module, x, *args, **kwargs)
-
-    return wrapper
-
-
-def _op(name: str, **kwargs):
-    """``api.<name>(**kwargs)``; while ``torch.compile`` traces, the same call as the op's
-    custom op, which the graph keeps as one node (the op's checks and launch logic run
-    when the graph runs, never while tracing)."""
-    if torch.compiler.is_compiling():
-        return custom_ops.call(name, **kwargs)
-    return getattr(api, name)(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,7 +146,8 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     codes and their scales, per token or one for the pool, when the cache was built with
     ``index_key_dtype=torch.float8_e4m3fn``).
     """
-    if not is_active(self.config):
+    serving_layer = isinstance(past_key_values, serving.ServingLayer)
+    if not (is_active(self.config) or serving_layer):
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
     batch, q_len, _ = hidden_states.shape
     cos, sin = position_embeddings
@@ -186,6 +163,8 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         eps=self.q_norm.eps,
         impl="torch" if torch.compiler.is_compiling() else "auto",
     )  # [B, S, Hi, Di], [B, S, Di]
+    if serving_layer:  # continuous batching: one packed row of every request's new tokens
+        return serving.select_blocks(self, idx_q, idx_k, past_key_values)
     heads = idx_q.shape[2]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
     idx_k = idx_k[:, None]  # [B, 1, S, Di]: the cache's layout of new states
 
@@ -316,6 +295,9 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     extra keywords through to the attention interface)."""
     if isinstance(past_key_values, M3PagedCache):
         kwargs["m3_paged_layer"] = past_key_values.layer_for(self.layer_idx, self.config, self.indexer is not None)
+    elif serving.uses_paged_m3_sparse(self.config):
+        # Continuous batching: the step's serving layer writes K/V and index keys into the manager's cache.
+        past_key_values = kwargs["m3_serving_layer"] = serving.layer_for(self, kwargs, hidden_states.shape[1])
     return _ORIGINAL_ATTENTION_FORWARD(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
 
 
@@ -404,6 +386,7 @@ def register() -> None:
         cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
         cls.create_masks_for_generate = _create_masks_for_generate
     tp.register()
+    serving.register()
     _REGISTERED = True
 
 
