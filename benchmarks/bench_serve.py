@@ -1,0 +1,505 @@
+#!/usr/bin/env python3
+"""Serving many requests through transformers' continuous batching: the M3-shaped random
+model on ``attn_implementation="paged|m3_sparse"`` against its dense twin on
+``paged|sdpa``, the same requests for both.
+
+Model: ``bench_generate.build_models`` (random weights of seed ``--seed``, M3's attention
+shapes, layer patterns ``--layers`` of sparse ``s`` and full-attention ``f`` layers, the
+dense twin with the same weights less the indexers); bf16 on CUDA, fp32 on the CPU.
+
+Requests: ``--requests`` prompts of random tokens, lengths drawn uniformly (seed
+``--seed``) from ``--prompt-lens`` (``LO-HI`` or one length, ``k`` = 1024), each asking for
+``--new-tokens`` greedy tokens (no EOS: every request generates them all). Arrival
+(``--rates``, requests per second, one run per rate): 0 adds every request at once, a rate
+r adds request i at i / r seconds after the start. Each run starts a fresh manager
+(``model.init_continuous_batching``, ``start``, ``add_request`` with per-token timestamps,
+``get_result`` until every request finished, ``stop``) with a ``ContinuousBatchingConfig``
+of ``--block-size`` tokens per block and, by default, enough blocks for every request at
+once (``--num-blocks``), so no run waits for pages and both configurations hold the same
+pool; the rest (max_batch_tokens, CUDA graphs, compilation) is transformers' default.
+
+Configurations (``--configs``): ``m3_sparse`` (the sparse model loaded with
+``m3_sparse``: the manager switches it to ``paged|m3_sparse``, ``M3_SPARSE_IMPL=auto``),
+``dense`` (the dense twin on ``sdpa``, switched to ``paged|sdpa``; the baseline of the
+speedup columns) and ``dense-flash`` (the dense twin on ``flash_attention_2``, switched to
+``paged|flash_attention_2``; skipped with a note when flash-attn is not installed).
+
+Figures of a run, from the timestamps transformers takes when it appends a token (on the
+host, after the step's tokens came back from the device): output tokens/s (all generated
+tokens over the time from the first arrival to the last token), time to first token per
+request (its first token's stamp less its ``add_request`` time: queueing and prefill
+included), inter-token latency (the gaps between a request's consecutive tokens, all
+requests pooled), p50 and p99 of both, and the peak memory (``torch.cuda.max_memory_allocated``
+over the run, weights and the manager's cache included). On CUDA a short warm-up run (two
+requests of the shortest length) comes before each configuration's runs (Triton compiles,
+cuDNN plans).
+
+Check: with ``--check`` (on in ``--quick``) every request's tokens are compared with its
+own single-request ``generate()`` on the same model (``m3_sparse`` for the sparse model, the
+twin's attention for the dense one); a mismatch is reported and the script exits 1.
+
+Outputs, in ``--out`` (default ``$OUT``, else ./out): ``bench_serve.md`` (setup and
+table), ``bench_serve.json`` (one result row per run, rewritten after each),
+``serve.png`` (tokens/s and latencies per configuration; skipped with a message when
+matplotlib is missing) and ``bench_serve.log``. The markdown table is printed last.
+
+    python3 benchmarks/bench_serve.py --layers sfs,sssfsssfsssf --requests 64 --prompt-lens 2k-32k --new-tokens 256
+    python3 benchmarks/bench_serve.py --quick          # tiny CPU smoke run with the token check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import sys
+import time
+from pathlib import Path
+from dataclasses import dataclass, field
+
+import common
+from common import GIB, env_var, sync
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import bench_generate as bg  # noqa: E402  (models, environment, progress bar fallback)
+import transformers  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.utils import is_flash_attn_2_available  # noqa: E402
+
+tqdm = bg.tqdm
+DEFAULT_CONFIGS = "m3_sparse,dense"
+CONFIGS = {
+    # name: (model, attn_implementation it is loaded with; the manager prefixes "paged|")
+    "m3_sparse": ("sparse", "m3_sparse"),
+    "dense": ("dense", "sdpa"),
+    "dense-flash": ("dense", "flash_attention_2"),
+}
+
+_BAR = None
+
+
+def _echo(line: str) -> None:
+    if _BAR is not None:
+        _BAR.write(line)
+    else:
+        print(line, flush=True)
+
+
+log = common.Log(echo=_echo)
+
+
+# ---------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------
+def parse_range(text: str) -> tuple[int, int]:
+    """'2k-32k' -> (2048, 32768); '8k' -> (8192, 8192)."""
+    lo, _, hi = text.partition("-")
+    lo, hi = bg.parse_count(lo), bg.parse_count(hi or lo)
+    if lo > hi:
+        raise ValueError(f"expected LO-HI with LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                parents=[common.common_args()])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny CPU smoke run (toy shapes, fp32) with the token check")
+    p.add_argument("--layers", default=None, help=f"layer patterns (default {bg.DEFAULT_LAYERS}; --quick: sf)")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
+    p.add_argument("--requests", type=int, default=None, help="requests per run (default 64; --quick 4)")
+    p.add_argument("--prompt-lens", default=None,
+                   help="prompt lengths, LO-HI drawn uniformly or one length, k = 1024 (default 2k-32k; --quick 20-150)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 256; --quick 5)")
+    p.add_argument("--rates", default=None,
+                   help="arrival rates in requests/s, comma separated, one run each; 0 = all at once "
+                   "(default 0,4; --quick 0,50)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per cache block (default 256; --quick 16)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="cache blocks (default: every request's prompt and new tokens at once)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="tokens per step (default: transformers' choice; --quick 64, so prompts are chunked)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every request's tokens with its own generate() (on with --quick)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --quick 64)")
+    p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens (default 0)")
+    args = p.parse_args(argv)
+    q = args.quick
+    try:
+        args.patterns = bg.parse_layers(args.layers or ("sf" if q else bg.DEFAULT_LAYERS))
+        args.lens = parse_range(args.prompt_lens or ("20-150" if q else "2k-32k"))
+        args.rates = [float(r) for r in (args.rates or ("0,50" if q else "0,4")).split(",") if r.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
+    args.requests = args.requests or (4 if q else 64)
+    args.new_tokens = args.new_tokens or (5 if q else 256)
+    args.block_size = args.block_size or (16 if q else 256)
+    args.max_batch_tokens = args.max_batch_tokens or (64 if q else None)
+    args.check = args.check or q
+    args.hidden = args.hidden or (64 if q else 2048)
+    args.mlp = args.mlp or (64 if q else 1024)
+    args.vocab = args.vocab or (128 if q else 1024)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad or not args.configs:
+        p.error(f"--configs: unknown {bad}; expected names from {list(CONFIGS)}")
+    if not args.rates or any(r < 0 for r in args.rates):
+        p.error(f"--rates: expected rates >= 0, got {args.rates}")
+    if min(args.requests, args.new_tokens) < 1:
+        p.error("--requests and --new-tokens must be >= 1")
+    args.device = torch.device(args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda"))
+    args.out = Path(args.out)
+    # bench_generate.text_config sizes the position table from the longest request.
+    args.sizes = [bg.Shape(1, args.lens[1] + args.new_tokens)]
+    return args
+
+
+# ---------------------------------------------------------------------------------------
+# requests
+# ---------------------------------------------------------------------------------------
+def make_prompts(args) -> list[list[int]]:
+    """``--requests`` prompts of random tokens (never PAD / BOS / EOS), lengths uniform in ``--prompt-lens``."""
+    gen = torch.Generator().manual_seed(args.seed)
+    lo, hi = args.lens
+    lens = torch.randint(lo, hi + 1, (args.requests,), generator=gen).tolist()
+    return [torch.randint(3, args.vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def gen_config(new_tokens: int) -> GenerationConfig:
+    # No EOS: every request generates new_tokens, in both the manager and generate().
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=bg.PAD)
+
+
+def cb_config(args, prompts) -> ContinuousBatchingConfig:
+    blocks = args.num_blocks or sum(-(-(len(p) + args.new_tokens + 1) // args.block_size) for p in prompts)
+    return ContinuousBatchingConfig(block_size=args.block_size, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens)
+
+
+@dataclass
+class Served:
+    """One request's outcome: its tokens, its add_request time and each token's stamp."""
+
+    tokens: list[int]
+    added: float
+    stamps: list[float]
+    error: str | None = None
+
+
+def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list[Served], float]:
+    """All ``prompts`` through one manager, request i added ``i / rate`` s after the start
+    (all at once for rate 0): (the requests in order, the start time)."""
+    manager = model.init_continuous_batching(generation_config=gen_config(args.new_tokens),
+                                             continuous_batching_config=cb_config(args, prompts))
+    manager.start()
+    done: dict[str, Served] = {}
+    try:
+        start = time.perf_counter()
+        added = 0
+        while len(done) < len(prompts):
+            now = time.perf_counter()
+            while added < len(prompts) and (rate == 0 or now >= start + added / rate):
+                manager.add_request(prompts[added], request_id=f"r{added}", max_new_tokens=args.new_tokens,
+                                    record_timestamps=True)
+                added += 1
+            wait = 1.0 if added == len(prompts) else max(0.0, start + added / rate - time.perf_counter())
+            out = manager.get_result(timeout=wait)
+            if out is not None and out.is_finished():
+                done[out.request_id] = Served(out.generated_tokens, out.created_time, out.timestamps or [], out.error)
+                on_done()
+            elif out is None and not manager.is_running():
+                raise RuntimeError(f"the manager stopped with {len(prompts) - len(done)} requests unfinished")
+    finally:
+        manager.stop(block=True, timeout=60)
+    return [done[f"r{i}"] for i in range(len(prompts))], start
+
+
+def pct(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def figures(served: list[Served], start: float) -> dict:
+    """Output tokens/s, TTFT and inter-token latency (p50 / p99, ms) of one run."""
+    ttft = [(s.stamps[0] - s.added) * 1e3 for s in served if s.stamps]
+    itl = [(b - a) * 1e3 for s in served for a, b in zip(s.stamps, s.stamps[1:])]
+    end = max((s.stamps[-1] for s in served if s.stamps), default=start)
+    tokens = sum(len(s.tokens) for s in served)
+    return {
+        "output_tokens": tokens,
+        "wall_s": end - start,
+        "tok_s": tokens / (end - start) if end > start else None,
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+    }
+
+
+def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> list[int]:
+    """Indices of the requests whose tokens differ from their own single-request generate()."""
+    bad = []
+    for i, (prompt, s) in enumerate(zip(prompts, served)):
+        ids = torch.tensor([prompt], device=model.device)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config(new_tokens))
+        if s.tokens != ref[0, len(prompt):].tolist():
+            bad.append(i)
+    return bad
+
+
+# ---------------------------------------------------------------------------------------
+# one run
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    layers: str
+    config: str
+    rate: float
+    status: str = "pending"  # ok | mismatch | skipped | OOM | error
+    note: str = ""
+    figures: dict = field(default_factory=dict)
+    peak_gib: float | None = None
+    mismatched: list[int] = field(default_factory=list)
+    speedup: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return "at once" if self.rate == 0 else f"{self.rate:g}/s"
+
+
+def attention_context(name: str, device):
+    return env_var("M3_SPARSE_IMPL", "auto") if name == "m3_sparse" else (
+        bg.dense_backends(device) if name == "dense" else contextlib.nullcontext())
+
+
+def unavailable(name: str) -> str | None:
+    if name == "dense-flash" and not is_flash_attn_2_available():
+        return "flash-attn is not installed: no paged|flash_attention_2"
+    return None
+
+
+def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done) -> Run:
+    run = Run(pattern, name, rate)
+    bg.free_memory(args.device)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(args.device)
+    try:
+        with attention_context(name, args.device), torch.no_grad():
+            served, start = serve(model, prompts, args, rate, on_done)
+            sync(args.device)
+            run.peak_gib = torch.cuda.max_memory_allocated(args.device) / GIB if args.device.type == "cuda" else None
+            errors = [f"r{i}: {s.error}" for i, s in enumerate(served) if s.error]
+            errors += [f"r{i}: {len(s.stamps)} token stamps for {len(s.tokens)} tokens" for i, s in enumerate(served)
+                       if not s.error and len(s.stamps) != len(s.tokens)]
+            if errors:
+                raise RuntimeError("; ".join(errors)[:300])
+            run.figures = figures(served, start)
+            run.status = "ok"
+            if args.check:
+                run.mismatched = check_tokens(model, prompts, served, args.new_tokens)
+                if run.mismatched:
+                    run.status, run.note = "mismatch", f"requests {run.mismatched} differ from their own generate()"
+    except Exception as exc:  # noqa: BLE001 - one failing run must not end the benchmark
+        run.status = "OOM" if bg.is_oom(exc) else "error"
+        run.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    bg.free_memory(args.device)
+    return run
+
+
+def warm_up(model, name: str, prompts, args) -> None:
+    """Two short requests through a manager: kernels compiled before the timed runs."""
+    if args.device.type != "cuda":
+        return
+    short = sorted(prompts, key=len)[:2]
+    with attention_context(name, args.device), torch.no_grad():
+        serve(model, short, args, 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+def fill_speedups(runs: list[Run]) -> None:
+    """Against the dense run of the same model pattern and rate: tokens/s ratio, and dense
+    latency / latency for TTFT and inter-token p50."""
+    base = {(r.layers, r.rate): r.figures for r in runs if r.config == "dense" and r.status == "ok"}
+    for r in runs:
+        ref = base.get((r.layers, r.rate))
+        if ref is None or r.status != "ok" or r.config == "dense":
+            continue
+        f = r.figures
+        r.speedup = {
+            "tok_s": f["tok_s"] / ref["tok_s"] if f["tok_s"] and ref["tok_s"] else None,
+            "ttft_p50": ref["ttft_p50_ms"] / f["ttft_p50_ms"] if f["ttft_p50_ms"] else None,
+            "itl_p50": ref["itl_p50_ms"] / f["itl_p50_ms"] if f["itl_p50_ms"] else None,
+        }
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table(runs: list[Run]) -> str:
+    rows = []
+    for r in runs:
+        f, s = r.figures, r.speedup
+        rows.append([r.layers, r.config, r.label, r.status, common.fmt(f.get("tok_s"), 1),
+                     common.fmt(f.get("ttft_p50_ms"), 1), common.fmt(f.get("ttft_p99_ms"), 1),
+                     common.fmt(f.get("itl_p50_ms"), 2), common.fmt(f.get("itl_p99_ms"), 2),
+                     common.fmt(r.peak_gib, 1), _x(s.get("tok_s")), _x(s.get("ttft_p50")), _x(s.get("itl_p50")),
+                     r.note[:90]])
+    return common.md_table(["layers", "config", "arrival", "status", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                            "ITL p50 ms", "ITL p99 ms", "peak GiB", "tok/s speedup", "TTFT p50 speedup",
+                            "ITL p50 speedup", "note"], rows)
+
+
+def setup_lines(args, env, prompts) -> list[str]:
+    lens = [len(p) for p in prompts]
+    return [
+        f"- Date {env['date']}; device {env['device']}; torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}.",
+        f"- Models: bench_generate's M3-shaped random model (seed {args.seed}), layer patterns "
+        f"{', '.join(f'`{x}`' for x in args.patterns)}; hidden {args.hidden}, MLP {args.mlp}, vocab {args.vocab}; "
+        f"{str(args.dtype).removeprefix('torch.')}.",
+        f"- {args.requests} requests, prompts {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}, "
+        f"drawn from {args.lens[0]}-{args.lens[1]}), {args.new_tokens} greedy new tokens each; arrival "
+        f"{', '.join('all at once' if r == 0 else f'{r:g} requests/s' for r in args.rates)}.",
+        f"- Continuous batching: block size {args.block_size}, "
+        f"{args.num_blocks or 'enough'} blocks{'' if args.num_blocks else ' for every request at once'}, "
+        f"max_batch_tokens {args.max_batch_tokens or 'transformers default'}; a fresh manager per run.",
+        "- TTFT: first token's stamp less the request's add_request time; ITL: gaps between a request's "
+        "consecutive tokens, all requests pooled; output tok/s: generated tokens / (last token - first arrival); "
+        "peak: torch.cuda.max_memory_allocated over the run, weights and cache included.",
+        "- Speedups: over the `dense` (paged|sdpa) run of the same model and arrival.",
+        f"- Token check: {'every request against its own generate()' if args.check else 'off (--check)'}.",
+    ]
+
+
+def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
+    fill_speedups(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tab = table(runs)
+    md = ["# Continuous batching: paged|m3_sparse and a dense twin on paged|sdpa", "",
+          *setup_lines(args, env, prompts), "", tab]
+    (args.out / "bench_serve.md").write_text("\n".join(md) + "\n")
+    results = common.Results("bench_serve", args.out)
+    results.env = env
+    sizes = {"requests": args.requests, "prompt_lens": list(args.lens), "new_tokens": args.new_tokens,
+             "block_size": args.block_size, "hidden": args.hidden, "vocab": args.vocab}
+    base = {(r.layers, r.rate): r.figures for r in runs if r.config == "dense" and r.status == "ok"}
+    for r in runs:
+        ref = base.get((r.layers, r.rate)) if r.config != "dense" else None
+        results.add(f"{r.layers} {r.config} {r.label}", r.figures.get("ttft_p50_ms"),
+                    what=f"{r.config}: continuous batching, TTFT p50", sizes=dict(sizes, layers=r.layers, rate=r.rate),
+                    baseline="dense twin on paged|sdpa" if ref else None,
+                    baseline_ms=ref["ttft_p50_ms"] if ref else None, config=r.config,
+                    attn=f"paged|{CONFIGS[r.config][1]}", status=r.status,
+                    note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=args.check,
+                    mismatched=r.mismatched, **r.figures)
+    results.write()
+    if final:
+        log.write(args.out / "bench_serve.log")
+    return tab
+
+
+def plot(args, runs: list[Run]) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"plot skipped: matplotlib is not importable ({exc})"
+    ok = [r for r in runs if r.status == "ok"]
+    panels = (("tok_s", "output tokens/s"), ("ttft", "TTFT ms (p50 bar, p99 tick)"),
+              ("itl", "inter-token ms (p50 bar, p99 tick)"))
+    fig, axes = plt.subplots(len(args.patterns), 3, figsize=(14, 4 * len(args.patterns)), squeeze=False)
+    for row, pattern in zip(axes, args.patterns):
+        mine = [r for r in ok if r.layers == pattern]
+        labels = [f"{r.config}\n{r.label}" for r in mine]
+        for ax, (key, title) in zip(row, panels):
+            xs = range(len(mine))
+            if key == "tok_s":
+                ax.bar(xs, [r.figures["tok_s"] or 0 for r in mine])
+            else:
+                ax.bar(xs, [r.figures[f"{key}_p50_ms"] or 0 for r in mine])
+                ax.scatter(xs, [r.figures[f"{key}_p99_ms"] or 0 for r in mine], marker="_", s=400, color="black")
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels(labels, fontsize=8)
+            ax.set_title(f"{pattern}: {title}")
+            ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"continuous batching, {args.requests} requests of {args.lens[0]}-{args.lens[1]} tokens, "
+                 f"{args.new_tokens} new tokens each")
+    fig.tight_layout()
+    path = args.out / "serve.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written: {path}"
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    global _BAR
+    args = parse_args(argv)
+    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    transformers.logging.set_verbosity_error()
+    start = time.perf_counter()
+    env = dict(bg.environment(args), python=platform.python_version())
+    prompts = make_prompts(args)
+    for line in common.header("bench_serve", env):
+        log(line)
+    log(f"configs {args.configs}, layers {args.patterns}, {args.requests} requests of "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens, rates {args.rates}")
+    runs: list[Run] = []
+    bar_cls = tqdm if tqdm is not None else bg._NoBar
+    _BAR = bar_cls(total=len(args.patterns) * len(args.configs) * len(args.rates) * args.requests,
+                   desc="bench_serve", unit="request", dynamic_ncols=True)
+    try:
+        for pattern in args.patterns:
+            models = bg.build_models(args, pattern, args.dtype)
+            for name in args.configs:
+                kind, attn = CONFIGS[name]
+                model = models[kind]
+                why = unavailable(name)
+                if why is None:
+                    model.set_attn_implementation(attn)
+                    warm_up(model, name, prompts, args)
+                for rate in args.rates:
+                    _BAR.set_postfix_str(f"{pattern} {name} {'at once' if rate == 0 else f'{rate:g}/s'}")
+                    if why is not None:
+                        run = Run(pattern, name, rate, status="skipped", note=why)
+                        _BAR.update(args.requests)
+                    else:
+                        run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1))
+                    runs.append(run)
+                    f = run.figures
+                    log(f"{pattern} {name} {run.label}: {run.status}{f' ({run.note})' if run.note else ''}, tok/s {common.fmt(f.get('tok_s'), 1)}, "
+                        f"TTFT p50/p99 {common.fmt(f.get('ttft_p50_ms'), 1)}/{common.fmt(f.get('ttft_p99_ms'), 1)} ms, "
+                        f"ITL p50/p99 {common.fmt(f.get('itl_p50_ms'), 2)}/{common.fmt(f.get('itl_p99_ms'), 2)} ms, "
+                        f"peak {common.fmt(run.peak_gib, 1)} GiB")
+                    write_outputs(args, env, prompts, runs, final=False)
+            del models
+            bg.free_memory(args.device)
+    finally:
+        _BAR.close()
+        _BAR = None
+    log(plot(args, runs))
+    log(f"total {time.perf_counter() - start:.0f} s; outputs in {args.out}")
+    tab = write_outputs(args, env, prompts, runs, final=True)
+    print()
+    print(tab)
+    bad = [r for r in runs if r.status == "mismatch"]
+    if bad:
+        print(f"token check FAILED: {[f'{r.layers} {r.config} {r.label}: {r.mismatched}' for r in bad]}", file=sys.stderr)
+        return 1
+    if args.quick and any(r.status not in ("ok", "skipped") for r in runs):
+        print("smoke run FAILED: a run did not finish", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

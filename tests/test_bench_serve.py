@@ -1,0 +1,38 @@
+"""benchmarks/bench_serve.py's CPU smoke run: both configurations serve every request
+through continuous batching, at once and at a rate, and every request's tokens equal its
+own generate() (the script's check, which exits 1 on a mismatch); the JSON rows and the
+markdown table hold each run's figures. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_serves_and_checks_tokens(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)  # the CPU dispatch runs the torch code: no kernels to interpret
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_serve.json").read_text())
+    assert [(r["metrics"]["config"], r["sizes"]["rate"]) for r in rows] == [
+        ("m3_sparse", 0.0), ("m3_sparse", 50.0), ("dense", 0.0), ("dense", 50.0)]
+    for r in rows:
+        m = r["metrics"]
+        assert m["status"] == "ok" and m["checked"] and m["mismatched"] == [], m
+        assert m["output_tokens"] == r["sizes"]["requests"] * r["sizes"]["new_tokens"]
+        assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["itl_p50_ms"] <= m["itl_p99_ms"]
+        assert m["tok_s"] > 0 and r["ms"] == m["ttft_p50_ms"]
+    sparse = [r for r in rows if r["metrics"]["config"] == "m3_sparse"]
+    assert all(r["metrics"]["attn"] == "paged|m3_sparse" and r["baseline_ms"] > 0 for r in sparse)
+    assert all(set(r["metrics"]["speedup"]) == {"tok_s", "ttft_p50", "itl_p50"} for r in sparse)
+    md = (tmp_path / "bench_serve.md").read_text()
+    assert md.count("| sf | m3_sparse |") == 2 and md.count("| sf | dense |") == 2
+    assert "every request against its own generate()" in md
+    assert (tmp_path / "bench_serve.log").exists()
