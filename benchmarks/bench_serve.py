@@ -123,7 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="tokens per step (default: transformers' choice; --quick 64, so prompts are chunked)")
     p.add_argument("--check", action="store_true",
-                   help="compare every request's tokens with its own generate() (on with --quick)")
+                   help="compare every request's tokens with its own generate() (on with --quick; in bf16 on "
+                   "a GPU a near-tie between two logits may flip a token where the two paths sum in another order)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --quick 64)")
     p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
@@ -313,8 +314,12 @@ def warm_up(model, name: str, prompts, args) -> None:
     if args.device.type != "cuda":
         return
     short = sorted(prompts, key=len)[:2]
-    with attention_context(name, args.device), torch.no_grad():
-        serve(model, short, args, 0.0)
+    try:
+        with attention_context(name, args.device), torch.no_grad():
+            serve(model, short, args, 0.0)
+    except Exception as exc:  # noqa: BLE001 - the timed runs report the failure as theirs
+        log(f"{name}: warm-up failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    bg.free_memory(args.device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,6 +446,14 @@ def plot(args, runs: list[Run]) -> str:
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
+def log_run(run: Run) -> None:
+    f, fmt = run.figures, common.fmt
+    note = f" ({run.note})" if run.note else ""
+    log(f"{run.layers} {run.config} {run.label}: {run.status}{note}, tok/s {fmt(f.get('tok_s'), 1)}, "
+        f"TTFT p50/p99 {fmt(f.get('ttft_p50_ms'), 1)}/{fmt(f.get('ttft_p99_ms'), 1)} ms, "
+        f"ITL p50/p99 {fmt(f.get('itl_p50_ms'), 2)}/{fmt(f.get('itl_p99_ms'), 2)} ms, peak {fmt(run.peak_gib, 1)} GiB")
+
+
 def main(argv=None) -> int:
     global _BAR
     args = parse_args(argv)
@@ -475,11 +488,7 @@ def main(argv=None) -> int:
                     else:
                         run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1))
                     runs.append(run)
-                    f = run.figures
-                    log(f"{pattern} {name} {run.label}: {run.status}{f' ({run.note})' if run.note else ''}, tok/s {common.fmt(f.get('tok_s'), 1)}, "
-                        f"TTFT p50/p99 {common.fmt(f.get('ttft_p50_ms'), 1)}/{common.fmt(f.get('ttft_p99_ms'), 1)} ms, "
-                        f"ITL p50/p99 {common.fmt(f.get('itl_p50_ms'), 2)}/{common.fmt(f.get('itl_p99_ms'), 2)} ms, "
-                        f"peak {common.fmt(run.peak_gib, 1)} GiB")
+                    log_run(run)
                     write_outputs(args, env, prompts, runs, final=False)
             del models
             bg.free_memory(args.device)
