@@ -5,7 +5,8 @@ model on ``attn_implementation="paged|m3_sparse"`` against its dense twin on
 
 Model: ``bench_generate.build_models`` (random weights of seed ``--seed``, M3's attention
 shapes, layer patterns ``--layers`` of sparse ``s`` and full-attention ``f`` layers, the
-dense twin with the same weights less the indexers); bf16 on CUDA, fp32 on the CPU.
+dense twin with the same weights less the indexers); bf16 on CUDA, fp32 on the CPU
+(``--dtype``).
 
 Requests: ``--requests`` prompts of random tokens, lengths drawn uniformly (seed
 ``--seed``) from ``--prompt-lens`` (``LO-HI`` or one length, ``k`` = 1024), each asking for
@@ -129,6 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights and activations (default bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens (default 0)")
     args = p.parse_args(argv)
     q = args.quick
@@ -155,6 +158,7 @@ def parse_args(argv=None):
     if min(args.requests, args.new_tokens) < 1:
         p.error("--requests and --new-tokens must be >= 1")
     args.device = torch.device(args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda"))
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32"))
     args.out = Path(args.out)
     # bench_generate.text_config sizes the position table from the longest request.
     args.sizes = [bg.Shape(1, args.lens[1] + args.new_tokens)]
@@ -192,11 +196,13 @@ class Served:
     error: str | None = None
 
 
-def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list[Served], float]:
+def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list[Served], float, str]:
     """All ``prompts`` through one manager, request i added ``i / rate`` s after the start
-    (all at once for rate 0): (the requests in order, the start time)."""
+    (all at once for rate 0): (the requests in order, the start time, the attention the
+    manager switched the model to)."""
     manager = model.init_continuous_batching(generation_config=gen_config(args.new_tokens),
                                              continuous_batching_config=cb_config(args, prompts))
+    attn = model.config._attn_implementation
     manager.start()
     done: dict[str, Served] = {}
     try:
@@ -217,7 +223,7 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
                 raise RuntimeError(f"the manager stopped with {len(prompts) - len(done)} requests unfinished")
     finally:
         manager.stop(block=True, timeout=60)
-    return [done[f"r{i}"] for i in range(len(prompts))], start
+    return [done[f"r{i}"] for i in range(len(prompts))], start, attn
 
 
 def pct(values, q: float) -> float | None:
@@ -262,6 +268,7 @@ class Run:
     note: str = ""
     figures: dict = field(default_factory=dict)
     peak_gib: float | None = None
+    attn: str | None = None  # the attention the manager ran
     mismatched: list[int] = field(default_factory=list)
     speedup: dict = field(default_factory=dict)
 
@@ -288,7 +295,7 @@ def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done)
         torch.cuda.reset_peak_memory_stats(args.device)
     try:
         with attention_context(name, args.device), torch.no_grad():
-            served, start = serve(model, prompts, args, rate, on_done)
+            served, start, run.attn = serve(model, prompts, args, rate, on_done)
             sync(args.device)
             run.peak_gib = torch.cuda.max_memory_allocated(args.device) / GIB if args.device.type == "cuda" else None
             errors = [f"r{i}: {s.error}" for i, s in enumerate(served) if s.error]
@@ -399,7 +406,7 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
                     what=f"{r.config}: continuous batching, TTFT p50", sizes=dict(sizes, layers=r.layers, rate=r.rate),
                     baseline="dense twin on paged|sdpa" if ref else None,
                     baseline_ms=ref["ttft_p50_ms"] if ref else None, config=r.config,
-                    attn=f"paged|{CONFIGS[r.config][1]}", status=r.status,
+                    attn=r.attn, status=r.status,
                     note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=args.check,
                     mismatched=r.mismatched, **r.figures)
     results.write()
@@ -457,7 +464,6 @@ def log_run(run: Run) -> None:
 def main(argv=None) -> int:
     global _BAR
     args = parse_args(argv)
-    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
     env = dict(bg.environment(args), python=platform.python_version())

@@ -11,16 +11,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_run_serves_and_checks_tokens(tmp_path):
+def quick_run(out: Path, *extra: str) -> list[dict]:
+    """The script's --quick run (token check included): its JSON rows."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     env.pop("TRITON_INTERPRET", None)  # the CPU dispatch runs the torch code: no kernels to interpret
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick", "--out", str(out),
+                           *extra], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench_serve.json").read_text())
+    return json.loads((out / "bench_serve.json").read_text())
+
+
+def test_quick_run_serves_and_checks_tokens(tmp_path):
+    rows = quick_run(tmp_path)
     assert [(r["metrics"]["config"], r["sizes"]["rate"]) for r in rows] == [
         ("m3_sparse", 0.0), ("m3_sparse", 50.0), ("dense", 0.0), ("dense", 50.0)]
     for r in rows:
@@ -29,10 +36,20 @@ def test_quick_run_serves_and_checks_tokens(tmp_path):
         assert m["output_tokens"] == r["sizes"]["requests"] * r["sizes"]["new_tokens"]
         assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["itl_p50_ms"] <= m["itl_p99_ms"]
         assert m["tok_s"] > 0 and r["ms"] == m["ttft_p50_ms"]
+    assert [r["metrics"]["attn"] for r in rows] == ["paged|m3_sparse"] * 2 + ["paged|sdpa"] * 2
     sparse = [r for r in rows if r["metrics"]["config"] == "m3_sparse"]
-    assert all(r["metrics"]["attn"] == "paged|m3_sparse" and r["baseline_ms"] > 0 for r in sparse)
+    assert all(r["baseline_ms"] > 0 for r in sparse)
     assert all(set(r["metrics"]["speedup"]) == {"tok_s", "ttft_p50", "itl_p50"} for r in sparse)
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("| sf | m3_sparse |") == 2 and md.count("| sf | dense |") == 2
     assert "every request against its own generate()" in md
     assert (tmp_path / "bench_serve.log").exists()
+
+
+@pytest.mark.gpu
+def test_quick_run_on_cuda(tmp_path):
+    """The CUDA paths (warm-up, cuDNN-first SDPA for the twin, the peak memory) at toy shapes,
+    fp32 so that the token check is exact."""
+    rows = quick_run(tmp_path, "--device", "cuda", "--dtype", "float32")
+    assert [r["metrics"]["status"] for r in rows] == ["ok"] * 4
+    assert all(r["metrics"]["peak_gib"] > 0 and r["metrics"]["mismatched"] == [] for r in rows)
