@@ -211,8 +211,9 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
         while len(done) < len(prompts):
             now = time.perf_counter()
             while added < len(prompts) and (rate == 0 or now >= start + added / rate):
-                manager.add_request(prompts[added], request_id=f"r{added}", max_new_tokens=args.new_tokens,
-                                    record_timestamps=True)
+                if manager.add_request(prompts[added], request_id=f"r{added}", max_new_tokens=args.new_tokens,
+                                       record_timestamps=True) is None:
+                    raise RuntimeError(f"the manager dropped request r{added} (it accepts no more requests)")
                 added += 1
             wait = 1.0 if added == len(prompts) else max(0.0, start + added / rate - time.perf_counter())
             out = manager.get_result(timeout=wait)
