@@ -866,25 +866,6 @@ def plot(args, cells: list[Cell]) -> str:
 # ---------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------
-class _NoBar:
-    """Stands in for tqdm when it is not importable."""
-
-    def __init__(self, total, **_):
-        self.total, self.n = total, 0
-
-    def set_postfix_str(self, s, refresh=True):
-        print(f"[{self.n}/{self.total}] {s}", flush=True)
-
-    def update(self, k=1):
-        self.n += k
-
-    def write(self, s):
-        print(s, flush=True)
-
-    def close(self):
-        pass
-
-
 def log_cell(cell: Cell) -> None:
     head = f"{cell.layers} {cell.config} {cell.label}"
     if cell.status != "ok":
@@ -915,7 +896,7 @@ def main(argv=None) -> int:
 
     cells: list[Cell] = []
     cfg = None
-    bar_cls = tqdm if tqdm is not None else _NoBar
+    bar_cls = tqdm if tqdm is not None else common.NoBar
     interactive = sys.stderr.isatty()
     _BAR = bar_cls(total=len(args.patterns) * len(args.sizes) * len(args.configs), desc="bench_generate",
                    unit="cell", dynamic_ncols=True)

@@ -64,7 +64,7 @@ from common import GIB, env_var, sync
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import bench_generate as bg  # noqa: E402  (models, environment, progress bar fallback)
+import bench_generate as bg  # noqa: E402  (models, environment)
 import transformers  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     log(f"configs {args.configs}, layers {args.patterns}, {args.requests} requests of "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens, rates {args.rates}")
     runs: list[Run] = []
-    bar_cls = tqdm if tqdm is not None else bg._NoBar
+    bar_cls = tqdm if tqdm is not None else common.NoBar
     _BAR = bar_cls(total=len(args.patterns) * len(args.configs) * len(args.rates) * args.requests,
                    desc="bench_serve", unit="request", dynamic_ncols=True)
     try:

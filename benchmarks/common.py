@@ -141,6 +141,25 @@ class Log:
         return path
 
 
+class NoBar:
+    """Stands in for tqdm when it is not importable."""
+
+    def __init__(self, total, **_):
+        self.total, self.n = total, 0
+
+    def set_postfix_str(self, s, refresh=True):
+        print(f"[{self.n}/{self.total}] {s}", flush=True)
+
+    def update(self, k=1):
+        self.n += k
+
+    def write(self, s):
+        print(s, flush=True)
+
+    def close(self):
+        pass
+
+
 def md_table(header, rows) -> str:
     """A markdown table: ``header`` the column names, ``rows`` lists of cells (str() each)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
