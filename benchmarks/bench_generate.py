@@ -211,6 +211,18 @@ def layer_types(pattern: str) -> list[str]:
     return [SPARSE if c == "s" else FULL for c in pattern]
 
 
+def model_and_configs(p, args, quick: bool, known) -> None:
+    """The model-shape flags' defaults (toy shapes with ``--quick``) and ``--configs`` as a
+    list of names from ``known``; ``p.error`` on an unknown one."""
+    args.hidden = args.hidden or (64 if quick else 2048)
+    args.mlp = args.mlp or (64 if quick else 1024)
+    args.vocab = args.vocab or (128 if quick else 1024)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in known]
+    if bad or not args.configs:
+        p.error(f"--configs: unknown {bad}; expected names from {list(known)}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__,
@@ -256,13 +268,7 @@ def parse_args(argv=None):
         p.error(f"--layers: {exc}")
     args.new_tokens = args.new_tokens if args.new_tokens is not None else (8 if q else 20)
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (2 if q else 4)
-    args.hidden = args.hidden or (64 if q else 2048)
-    args.mlp = args.mlp or (64 if q else 1024)
-    args.vocab = args.vocab or (128 if q else 1024)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS]
-    if bad or not args.configs:
-        p.error(f"--configs: unknown {bad}; expected names from {list(CONFIGS)}")
+    model_and_configs(p, args, q, CONFIGS)
     if args.profile_steps < 0:
         p.error(f"--profile-steps: expected >= 0, got {args.profile_steps}")
     # At least two timed decode steps before the profiler starts (the step during which it
@@ -822,13 +828,9 @@ def result_rows(args, env, cudnn, cells, earlier) -> common.Results:
 
 
 def plot(args, cells: list[Cell]) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return f"plot skipped: matplotlib is not importable ({exc})"
+    plt, why = common.pyplot()
+    if plt is None:
+        return why
     n = len(args.patterns)
     fig, axes = plt.subplots(n, 2, figsize=(11, 4.2 * n), sharex=True, squeeze=False)
     markers = {"dense-eager": "s", "m3_sparse": "o", "m3_sparse-eager": "D", "sdpa": "^"}

@@ -64,7 +64,7 @@ from common import GIB, env_var, sync
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import bench_generate as bg  # noqa: E402  (models, environment)
+import bench_generate as bg  # noqa: E402  (models, environment, flags)
 import transformers  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
@@ -146,13 +146,7 @@ def parse_args(argv=None):
     args.block_size = args.block_size or (16 if q else 256)
     args.max_batch_tokens = args.max_batch_tokens or (64 if q else None)
     args.check = args.check or q
-    args.hidden = args.hidden or (64 if q else 2048)
-    args.mlp = args.mlp or (64 if q else 1024)
-    args.vocab = args.vocab or (128 if q else 1024)
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.configs if c not in CONFIGS]
-    if bad or not args.configs:
-        p.error(f"--configs: unknown {bad}; expected names from {list(CONFIGS)}")
+    bg.model_and_configs(p, args, q, CONFIGS)
     if not args.rates or any(r < 0 for r in args.rates):
         p.error(f"--rates: expected rates >= 0, got {args.rates}")
     if min(args.requests, args.new_tokens) < 1:
@@ -417,13 +411,9 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
 
 
 def plot(args, runs: list[Run]) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return f"plot skipped: matplotlib is not importable ({exc})"
+    plt, why = common.pyplot()
+    if plt is None:
+        return why
     ok = [r for r in runs if r.status == "ok"]
     panels = (("tok_s", "output tokens/s"), ("ttft", "TTFT ms (p50 bar, p99 tick)"),
               ("itl", "inter-token ms (p50 bar, p99 tick)"))

@@ -160,6 +160,19 @@ class NoBar:
         pass
 
 
+def pyplot():
+    """(matplotlib.pyplot on the file-only Agg backend, None), or (None, why a plot is skipped)
+    where matplotlib is not installed: plots are optional."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return None, f"plot skipped: matplotlib is not importable ({exc})"
+    return plt, None
+
+
 def md_table(header, rows) -> str:
     """A markdown table: ``header`` the column names, ``rows`` lists of cells (str() each)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
