@@ -183,6 +183,7 @@ class M3PagedLayer(CacheLayerMixin):
         kv_dtype = cache.kv_cache_dtype or dtype
         self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self._heads = torch.arange(hkv, device=device)  # the head index of a K/V write
         if self.is_sparse:
             index_dtype = cache.index_key_dtype or dtype
             self.index_keys = torch.zeros(
@@ -193,7 +194,7 @@ class M3PagedLayer(CacheLayerMixin):
                 self.index_scales = torch.full((1,), cache.index_k_scale, dtype=torch.float32, device=device)
             elif cache.index_key_dtype is not None:
                 self.index_scales = torch.zeros(cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device)
-        _mark_static(self.keys, self.values, self.index_keys, self.index_scales)
+        _mark_static(self.keys, self.values, self._heads, self.index_keys, self.index_scales)
         self.is_initialized = True
 
     # -- writes ------------------------------------------------------------------------
@@ -221,7 +222,12 @@ class M3PagedLayer(CacheLayerMixin):
         if scale is not None:
             states = to_e4m3(states, scale)
         if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
-            pool.permute(0, 2, 1, 3).index_put_((page, slot), states.transpose(1, 2).to(pool.dtype))
+            # Indices into the pool's own dimensions, not a permuted view of it: a compiled
+            # step then scatters in place. Through a view, inductor rebuilt the whole pool
+            # and copied it back on every write (two 63 us kernels per pool and step at 128K
+            # on the H200, more than the step's attention).
+            values = states.transpose(1, 2).to(pool.dtype)  # [B, S, H, D]
+            pool.index_put_((page[..., None], self._heads, slot[..., None]), values)
         else:  # index keys: [pages, page_size, D], one shared head
             pool.index_put_((page, slot), states[:, 0].to(pool.dtype))
 
