@@ -1,14 +1,17 @@
-"""Dense attention over the paged cache (M3's full-attention layers): the Triton kernel
-against the chunked torch code and cuDNN / flash SDPA on contiguous K/V, prefill and
-decode, so the automatic choice on CUDA rests on a measurement.
+"""Dense attention over the paged cache (M3's full-attention layers): flash-attn-4 and the
+Triton kernel against the chunked torch code and cuDNN / flash SDPA on contiguous K/V,
+prefill and decode, so the automatic choice on CUDA rests on a measurement.
 
     python3 benchmarks/bench_dense.py
     python3 benchmarks/bench_dense.py --prefill 8192,32768 --decode 32768
 
-Workload: Hq 64, Hkv 4, D 128, bf16, page 64. The Triton kernel runs twice: as launched by
-default (each key tile one TMA box of its page) and with gathered pointer loads
-(``DenseConfig(use_tma=False)``). Prefill: one causal sequence of N tokens. Decode: batch
-32, one new token each, context C. Floors: FLOPs / 700 TFLOP/s (prefill, causal FLOPs
+Workload: Hq 64, Hkv 4, D 128, bf16, pages of ``--pages`` tokens (64 and 128 by default)
+handed out in a shuffled order. The Triton kernel runs twice: as launched by default (each
+key tile one TMA box of its page) and with gathered pointer loads
+(``DenseConfig(use_tma=False)``); flash-attn-4 (``DenseConfig(impl="fa4")``) runs where it is
+installed, on the same pool through the same op; "default" names the kernel an unpinned call
+gets. Prefill: one causal sequence of N tokens. Decode: batch 32, one new token each,
+context C. Floors: FLOPs / 700 TFLOP/s (prefill, causal FLOPs
 2 * 2 * D * Hq * N^2 / 2) and K/V bytes / 4.2 TB/s (decode). Times are medians
 (triton.testing.do_bench; one warm-up and 3 event timings above 100 ms). Each
 configuration is checked against SDPA in fp32 on sampled rows. Result rows go to
@@ -27,9 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import m3_sparse  # noqa: E402
 from m3_sparse import DenseConfig  # noqa: E402
 from m3_sparse.core.launch import next_pow2  # noqa: E402
+from m3_sparse.core.validate import attention_args  # noqa: E402
+from m3_sparse.dense import attention_fa4 as dense_fa4  # noqa: E402
 from m3_sparse.dense import plan as dense_plan  # noqa: E402
 
-PAGE = 64
 SDPA_BACKENDS = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
 
 
@@ -42,22 +46,27 @@ def tile_tokens(q_len: int) -> int:
     return dense_plan.tile_tokens(next_pow2(HQ // HKV), q_len, dense_plan.default_block_m(torch.bfloat16))
 
 
-def problem(batch, q_len, ctx, seed=0):
+def problem(batch, q_len, ctx, page, seed=0):
     g = torch.Generator(device=DEVICE)
     g.manual_seed(seed)
-    pps = -(-ctx // PAGE)
+    pps = -(-ctx // page)
     bf = torch.bfloat16
-    k_full = torch.randn(batch, HKV, pps * PAGE, D, device=DEVICE, dtype=bf, generator=g)
-    v_full = torch.randn(batch, HKV, pps * PAGE, D, device=DEVICE, dtype=bf, generator=g)
+    k_full = torch.randn(batch, HKV, pps * page, D, device=DEVICE, dtype=bf, generator=g)
+    v_full = torch.randn(batch, HKV, pps * page, D, device=DEVICE, dtype=bf, generator=g)
     perm = torch.randperm(batch * pps, device=DEVICE, generator=g)
-    # Token-major pages [pages, PAGE, HKV, D] back to the cache layout [pages, HKV, PAGE, D].
-    k, bt = common.paginate(list(k_full.transpose(1, 2)), PAGE, perm)
-    v, _ = common.paginate(list(v_full.transpose(1, 2)), PAGE, perm)
+    # Token-major pages [pages, page, HKV, D] back to the cache layout [pages, HKV, page, D].
+    k, bt = common.paginate(list(k_full.transpose(1, 2)), page, perm)
+    v, _ = common.paginate(list(v_full.transpose(1, 2)), page, perm)
     k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     q = torch.randn(batch * q_len, HQ, D, device=DEVICE, dtype=bf, generator=g)
     cu, kv = common.varlen(batch, q_len, ctx)
     return dict(q=q, k=k, v=v, bt=bt, cu=cu, kv=kv, k_full=k_full[:, :, :ctx], v_full=v_full[:, :, :ctx],
-                batch=batch, q_len=q_len, ctx=ctx)
+                batch=batch, q_len=q_len, ctx=ctx, page=page)
+
+
+def _args(p):
+    return attention_args(p["q"], p["k"], p["v"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"],
+                          softmax_scale=D**-0.5, causal=True, return_lse=False, sparse=False, max_seqlen_q=p["q_len"])
 
 
 def sdpa(p, backend):
@@ -83,13 +92,13 @@ def check(p, out) -> float:
     return (num / den) ** 0.5
 
 
-def run(kind, batch, q_len, ctx, torch_max, splits=()):
-    p = problem(batch, q_len, ctx)
+def run(kind, batch, q_len, ctx, page, torch_max, splits=()):
+    p = problem(batch, q_len, ctx, page)
     flops = 4 * D * HQ * (q_len * ctx - q_len * (q_len - 1) / 2) * batch
     kv_bytes = 2 * batch * ctx * HKV * D * 2
     floor = max(flops / PEAK_FLOPS, kv_bytes / PEAK_BYTES) * 1e3
     slow = flops > 2e13
-    row = dict(kind=kind, batch=batch, q_len=q_len, ctx=ctx, floor_ms=floor)
+    row = dict(kind=kind, batch=batch, q_len=q_len, ctx=ctx, page=page, floor_ms=floor)
 
     def call(cfg: DenseConfig):
         return lambda: m3_sparse.dense_paged_attention(  # noqa: E731
@@ -101,6 +110,11 @@ def run(kind, batch, q_len, ctx, torch_max, splits=()):
                 # The same kernel with gathered pointer loads instead of one TMA box per key tile.
                 ("gather", DenseConfig(impl="triton", use_tma=False))]
     variants += [(f"split{s}", DenseConfig(impl="triton", num_splits=s)) for s in splits]
+    fa4_missing = dense_fa4.unsupported_reason(_args(p))
+    if fa4_missing is None:
+        variants.append(("fa4", DenseConfig(impl="fa4")))
+    else:
+        row["fa4_note"] = fa4_missing
     if q_len * ctx * batch <= torch_max:
         variants.append(("torch", DenseConfig(impl="torch")))
     for name, cfg in variants:
@@ -111,7 +125,9 @@ def run(kind, batch, q_len, ctx, torch_max, splits=()):
             print(f"  {kind} {batch}x{ctx} splits={cfg.num_splits}: {row[f'{name}_ms']:.3f} ms "
                   f"(err {row[f'{name}_err']:.1e})", flush=True)
     row["splits"] = dense_plan.default_num_splits(batch * q_len, batch, HKV, tile_tokens(q_len),
-                                                    p["bt"].shape[1] * PAGE, p["q"].device)
+                                                    p["bt"].shape[1] * page, p["q"].device)
+    row["auto"] = m3_sparse.dense_paged_attention_kernel(
+        p["q"], p["k"], p["v"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], max_seqlen_q=q_len)
     for name, backend in SDPA_BACKENDS:
         try:
             out = sdpa(p, backend).transpose(1, 2).reshape(-1, HQ, D)
@@ -128,8 +144,8 @@ def run(kind, batch, q_len, ctx, torch_max, splits=()):
 
 def add_rows(results, rows):
     for r in rows:
-        case = f"{r['kind']} {r['batch']}x{r['ctx']}"
-        sizes = {"batch": r["batch"], "q_len": r["q_len"], "ctx": r["ctx"], "page": PAGE}
+        case = f"{r['kind']} {r['batch']}x{r['ctx']} page {r['page']}"
+        sizes = {"batch": r["batch"], "q_len": r["q_len"], "ctx": r["ctx"], "page": r["page"]}
         metrics = {k: v for k, v in r.items() if k not in ("kind", "batch", "q_len", "ctx", "triton_ms")}
         results.add(case, r["triton_ms"], what="dense_paged_attention (Triton, default launch)", sizes=sizes,
                     baseline="cuDNN SDPA on contiguous K/V", baseline_ms=r.get("cudnn_ms"), **metrics)
@@ -140,29 +156,33 @@ def main():
     ap.add_argument("--prefill", default="8192,32768,131072")
     ap.add_argument("--decode", default="32768,131072", help="contexts of the batch-32 decode")
     ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--pages", default="64,128", help="page sizes of the pool (each case runs at each)")
     ap.add_argument("--splits", default="", help="key-split counts to time for the decode rows, e.g. 1,2,4,8,16")
     ap.add_argument("--torch-max", type=float, default=2**31, help="largest q_len*ctx*batch for the torch code")
     args = ap.parse_args()
     if SMOKE:
         args.prefill, args.decode, args.decode_batch = "128", "256", 2
     results = common.Results("bench_dense", args.out)
-    rows = [run("prefill", 1, n, n, args.torch_max) for n in common.int_list(args.prefill)]
+    pages = common.int_list(args.pages)
+    rows = [run("prefill", 1, n, n, pg, args.torch_max) for n in common.int_list(args.prefill) for pg in pages]
     splits = common.int_list(args.splits)
-    rows += [run("decode", args.decode_batch, 1, c, args.torch_max, splits) for c in common.int_list(args.decode)]
+    rows += [run("decode", args.decode_batch, 1, c, pg, args.torch_max, splits)
+             for c in common.int_list(args.decode) for pg in pages]
     add_rows(results, rows)
     results.write()
     f = lambda x: common.fmt(x, 3)  # noqa: E731
     print()
     print(common.md_table(
-        ["case", "floor ms", "Triton ms (splits)", "Triton, gathered loads ms", "torch ms", "cuDNN ms", "flash ms",
-         "Triton err"],
-        [[f"{r['kind']} {r['batch']}x{r['ctx']}", f(r["floor_ms"]), f"{f(r['triton_ms'])} ({r['splits']})",
-          f(r["gather_ms"]), f(r.get("torch_ms")), f(r.get("cudnn_ms")), f(r.get("flash_ms")),
+        ["case", "page", "floor ms", "flash-attn-4 ms", "Triton ms (splits)", "Triton, gathered loads ms", "torch ms",
+         "cuDNN ms", "flash ms", "default", "flash-attn-4 err", "Triton err"],
+        [[f"{r['kind']} {r['batch']}x{r['ctx']}", r["page"], f(r["floor_ms"]), f(r.get("fa4_ms")),
+          f"{f(r['triton_ms'])} ({r['splits']})", f(r["gather_ms"]), f(r.get("torch_ms")), f(r.get("cudnn_ms")),
+          f(r.get("flash_ms")), r["auto"], f"{r['fa4_err']:.1e}" if "fa4_err" in r else "-",
           f"{r['triton_err']:.1e}"] for r in rows]))
     if splits:
         print()
         print(common.md_table(["decode case", *(f"S={s} ms" for s in splits)],
-                              [[f"{r['batch']}x{r['ctx']}", *(f(r.get(f"split{s}_ms")) for s in splits)]
+                              [[f"{r['batch']}x{r['ctx']} page {r['page']}", *(f(r.get(f"split{s}_ms")) for s in splits)]
                                for r in rows if r["kind"] == "decode"]))
 
 

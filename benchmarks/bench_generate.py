@@ -236,6 +236,9 @@ def parse_args(argv=None):
                    f"(default {DEFAULT_LAYERS}; --quick: sf)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help=f"which configurations, in this order, from {list(CONFIGS)} (default {DEFAULT_CONFIGS})")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="m3_sparse rows: pass generate() an M3PagedCache of this page size (default: none passed, "
+                   "generate() builds its own with the default page size)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="generated tokens per call (default 20; --quick 8); the last --profile-steps of them are "
                    "profiled, the decode step is timed on the others")
@@ -384,6 +387,9 @@ def call_args(config: Config, model, shape: Shape, args):
     extra = {"disable_compile": True} if config.eager else {}
     if config.model == "dense":
         extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=shape.context + args.new_tokens)
+    elif args.page_size is not None:
+        extra["past_key_values"] = m3_hf_attention.M3PagedCache(
+            model.config, shape.batch, shape.context + args.new_tokens, page_size=args.page_size)
     return extra
 
 

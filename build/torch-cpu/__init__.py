@@ -7,7 +7,8 @@ Public ops (``api``; token-major queries, paged caches):
 * ``sparse_attention``: sparse attention over the selected blocks, the decode kernel or
   KV-outer chosen from the query rows per sequence (``sparse_decode_attention``,
   ``kvouter_attention``);
-* ``dense_paged_attention``: dense attention over the same paged cache;
+* ``dense_paged_attention``: dense attention over the same paged cache (flash-attn-4, Triton
+  or torch; ``dense_paged_attention_kernel`` says which runs a call);
 * the stages of ``kvouter_attention`` (torch references): ``build_kvouter_index``,
   ``schedule``, ``kvouter_partials``, ``combine``;
 * ``reference``: naive per-token oracles for tests;
@@ -35,6 +36,7 @@ from .api import (
     IndexConfig,
     KVOuterConfig,
     dense_paged_attention,
+    dense_paged_attention_kernel,
     index_prep,
     index_topk,
     kvouter_attention,
@@ -77,6 +79,7 @@ __all__ = [
     "build_kvouter_index",
     "combine",
     "dense_paged_attention",
+    "dense_paged_attention_kernel",
     "index_prep",
     "index_topk",
     "kvouter_attention",

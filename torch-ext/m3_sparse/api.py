@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 
@@ -35,6 +36,8 @@ from .kvouter.build import build_kvouter_index
 from .kvouter.combine import combine_torch, merge_scale
 from .kvouter.partials import partials_args, partials_torch
 from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
+
+_log = logging.getLogger("m3_sparse")
 
 # The GPU launchers (``*_triton``, ``*_gluon_sm90``) import Triton, which a CPU install need not
 # have: each GPU path below imports its launchers when it first runs.
@@ -357,13 +360,35 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
 def dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense attention over a paged K/V cache (full-attention layers, the vision tower with
     ``causal=False``), same layouts and fp8 options as :func:`kvouter_attention`.
-    ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's query tile."""
+    ``max_seqlen_q`` (host int, optional) only tunes the GPU kernel's query tile.
+
+    Three kernels (:func:`dense_paged_attention_kernel` says which one runs a call, the
+    ``m3_sparse`` logger at DEBUG level names it on each call): flash-attn-4 where it is
+    installed and takes the call, the Triton kernel on other CUDA calls, torch elsewhere;
+    ``config.impl`` or ``M3_SPARSE_DENSE_IMPL`` pins one. On flash-attn-4 the slots past
+    each sequence's length in its last page are set to zero first (it reads whole pages)."""
     cfg = config or DenseConfig()
-    if dispatch.use_triton(args.q, dispatch.dense_unsupported(args), cfg.impl):
+    kernel = dispatch.dense_kernel(args, cfg)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
+                   kernel, args.num_tokens, args.batch, args.page_size)
+    if kernel == "fa4":
+        from .dense import attention_fa4 as dense_fa4
+
+        return dense_fa4.run_dense_fa4(args)
+    if kernel == "triton":
         from .dense import attention_triton as dense_triton
 
         return dense_triton.run_dense_triton(args, cfg)
     return dense_paged_attention_torch(args)
+
+
+@attention_op(without=_SPARSE_ONLY)
+def dense_paged_attention_kernel(args: AttnArgs, *, config: DenseConfig | None = None) -> str:
+    """Which kernel :func:`dense_paged_attention` runs for these arguments: "fa4", "triton"
+    or "torch" (host facts only; raises where the op would, for a pinned kernel that
+    cannot run the call)."""
+    return dispatch.dense_kernel(args, config or DenseConfig())
 
 
 __all__ = [
@@ -372,6 +397,7 @@ __all__ = [
     "IndexConfig",
     "KVOuterConfig",
     "dense_paged_attention",
+    "dense_paged_attention_kernel",
     "index_prep",
     "index_topk",
     "kvouter_attention",

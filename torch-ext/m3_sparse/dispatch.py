@@ -4,6 +4,9 @@
   ``M3_SPARSE_IMPL=torch`` / ``=triton`` (or a config's ``impl``) pins one; the Triton
   kernels run on the CPU only under ``TRITON_INTERPRET=1``. A pinned choice is never
   changed behind the caller's back: a call the kernel cannot take raises instead.
+* the dense op's third kernel, flash-attn-4, wherever it is installed and takes the call
+  (``dense_kernel``); ``M3_SPARSE_DENSE_IMPL`` (or ``DenseConfig.impl``) pins one of the
+  three for that op alone.
 * per kernel, why it cannot take a call (``*_unsupported``), and on sm_90 which of two
   kernels of a stage runs (``index_engine``, ``partials_engine``);
 * the decode / KV-outer crossover of ``sparse_attention`` (``decode_max_queries``);
@@ -22,6 +25,7 @@ import torch
 from .core.args import AttnArgs, IndexArgs
 from .core.launch import interpreting
 from .decode import plan as decode_plan
+from .dense import attention_fa4 as dense_fa4
 from .dense import plan as dense_plan
 from .index import plan as index_plan
 from .index import topk_gluon_sm90 as index_gluon
@@ -160,6 +164,47 @@ def decode_unsupported(args: AttnArgs) -> str | None:
 
 def dense_unsupported(args: AttnArgs) -> str | None:
     return dense_plan.shape_reason(args)
+
+
+DENSE_IMPLS = IMPLS + ("fa4",)
+
+
+def requested_dense_impl(impl: str = "auto") -> tuple[str, str]:
+    """(the dense op's pinned kernel or "auto", who asked for it): ``impl`` when it pins
+    one, else ``M3_SPARSE_DENSE_IMPL``, else ``M3_SPARSE_IMPL``."""
+    if impl not in DENSE_IMPLS:
+        raise ValueError(f"impl: expected one of {DENSE_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl, f"impl={impl!r}"
+    env = os.environ.get("M3_SPARSE_DENSE_IMPL", "auto").strip().lower() or "auto"
+    if env not in DENSE_IMPLS:
+        raise ValueError(f"M3_SPARSE_DENSE_IMPL: expected one of {DENSE_IMPLS}, got {env!r}")
+    if env != "auto":
+        return env, f"M3_SPARSE_DENSE_IMPL={env}"
+    return requested_impl(), f"M3_SPARSE_IMPL={requested_impl()}"
+
+
+def dense_kernel(args: AttnArgs, cfg: dense_plan.DenseConfig) -> str:
+    """The kernel that runs a dense call: "fa4", "triton" or "torch".
+
+    Unpinned, on CUDA: flash-attn-4 where it takes the call and ``dense_plan.prefers_fa4``
+    (a measured rule) picks it, else the Triton kernel where it takes the call, else torch.
+    Pinned to "fa4", a call flash-attn-4 cannot run (not installed, fp8, another GPU) raises
+    the reason; "triton" and "torch" behave as ``use_triton`` says."""
+    chosen, asked = requested_dense_impl(cfg.impl)
+    if chosen == "fa4":
+        why = dense_fa4.unsupported_reason(args)
+        if why is not None:
+            raise ValueError(f"{asked}: {why}")
+        return "fa4"
+    if (
+        chosen == "auto"
+        and args.q.device.type == "cuda"
+        and dense_plan.prefers_fa4(args)
+        and dense_fa4.unsupported_reason(args) is None
+    ):
+        return "fa4"
+    return "triton" if use_triton(args.q, dense_unsupported(args), chosen) else "torch"
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer, measured

@@ -34,7 +34,9 @@ class DenseConfig:
     ValueError says why not; False: gathered pointer loads).
     """
 
-    impl: str = "auto"  # "torch" / "triton" pin the implementation (else M3_SPARSE_IMPL decides)
+    # "torch" / "triton" / "fa4" (flash-attn-4) pin the kernel; "auto": M3_SPARSE_DENSE_IMPL,
+    # else M3_SPARSE_IMPL, else the measured choice (dispatch.dense_kernel).
+    impl: str = "auto"
     block_m: int | None = None
     block_n: int | None = None
     num_warps: int | None = None
@@ -125,3 +127,23 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
         gp=gp, tm=tm, bn=bn, bd=bd, num_splits=num_splits,
         num_warps=cfg.num_warps or default_num_warps(tm * gp, bd), num_stages=cfg.num_stages,
     )
+
+
+# flash-attn-4 runs one program per (128 packed query rows, kv head) of a sequence and does
+# not split the keys on sm_90; with fewer programs than this fraction of the SMs (decode of a
+# small batch) the SMs it leaves idle cost more than its faster tiles save, and the Triton
+# kernel, which splits the keys, runs instead.
+FA4_ROWS = 128
+FA4_MIN_SM_FRACTION = 0.75
+
+
+def fa4_programs(args: AttnArgs) -> int:
+    """flash-attn-4's grid for this call on sm_90 (GQA heads packed into its 128-row tiles)."""
+    rows_q = args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
+    return args.batch * args.hkv * -(-(rows_q * args.group) // FA4_ROWS)
+
+
+def prefers_fa4(args: AttnArgs) -> bool:
+    """Whether an unpinned CUDA call that flash-attn-4 can take should run it rather than the
+    Triton kernel (shapes only): when its grid fills most of the GPU."""
+    return fa4_programs(args) >= FA4_MIN_SM_FRACTION * num_sms(args.q.device, cpu_default=4)

@@ -1,0 +1,308 @@
+"""The dense op's flash-attn-4 path: which kernel runs a call, the page-tail kernel, the
+argument plumbing, and (on a GPU with flash-attn-4) its results against the float64 oracle.
+
+On the CPU the tail kernel runs in Triton's interpreter, and the plumbing runs against a
+stand-in for ``flash_attn_varlen_func`` written from flash-attn-4's documented contract
+(its own layout ``[pages, page_size, Hkv, D]``, int32 tables, ``seqused_k``, causal masks
+aligned to the end of the keys, lse ``[Hq, Tq]``), so a wrong view or argument fails
+without a GPU. The ``gpu`` tests run flash-attn-4 itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernel_test_utils import TOLERANCES, assert_close, gen, kernel_module, make_batch, randn  # noqa: E402
+import m3_sparse  # noqa: E402
+from m3_sparse import DenseConfig  # noqa: E402
+from m3_sparse.core.validate import attention_args  # noqa: E402
+from m3_sparse.dense import attention_fa4  # noqa: E402
+from m3_sparse.dense.tails import clear_page_tails_torch  # noqa: E402
+from m3_sparse.reference import dense_attention_ref  # noqa: E402
+
+tails_triton = kernel_module("m3_sparse.dense.tails_triton")
+
+DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+SCALE = 0.3
+NAN = float("nan")
+# (kv_len, q_len): chunked prefill, full prefill, decode rows, a page-aligned length, an
+# empty sequence, rows before the first key, a query-less sequence.
+RAGGED = [(37, 5), (21, 21), (23, 1), (32, 1), (0, 0), (3, 7), (70, 0), (130, 2)]
+
+
+def _fa4_ready() -> str | None:
+    if not HAS_CUDA:
+        return "needs a CUDA device"
+    if torch.cuda.get_device_capability()[0] not in attention_fa4.ARCHS:
+        return "flash-attn-4 runs on sm_90 / sm_100 here"
+    if attention_fa4.varlen_function() is None:
+        return "flash-attn-4 is not installed"
+    return None
+
+
+needs_fa4 = pytest.mark.skipif(_fa4_ready() is not None, reason=str(_fa4_ready()))
+
+
+def _problem(seed, seqs, page_size, hq, hkv, d, dtype, garbage=NAN, pad=-1):
+    g = gen(seed)
+    batch = make_batch(g, seqs, page_size, pad=pad)
+    q = randn(g, batch.num_tokens, hq, d, dtype=dtype)
+    k = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+    v = batch.kv_cache(g, hkv, d, dtype, garbage=garbage)
+    return batch, q, k, v
+
+
+def _args(batch, q, k, v, causal=True, device=DEVICE):
+    return attention_args(
+        q.to(device), k.to(device), v.to(device), batch.block_tables.to(device),
+        cu_seqlens_q=batch.cu_seqlens_q.to(device), used_kv_lens=batch.used_kv_lens.to(device),
+        softmax_scale=SCALE, causal=causal, return_lse=True, sparse=False, max_seqlen_q=max(batch.q_lens),
+    )
+
+
+# --------------------------------------------------------------------------- the choice
+def test_pinned_fa4_that_cannot_run_raises(monkeypatch):
+    batch, q, k, v = _problem(1, [(20, 3)], 16, 8, 2, 32, torch.float32, garbage=1.0)
+    call = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens)
+    with pytest.raises(ValueError, match=r"impl='fa4': flash-attn-4 runs on CUDA tensors"):
+        m3_sparse.dense_paged_attention(q, k, v, batch.block_tables, **call, config=DenseConfig(impl="fa4"))
+    monkeypatch.setenv("M3_SPARSE_DENSE_IMPL", "fa4")
+    with pytest.raises(ValueError, match=r"M3_SPARSE_DENSE_IMPL=fa4: flash-attn-4 runs on CUDA tensors"):
+        m3_sparse.dense_paged_attention_kernel(q, k, v, batch.block_tables, **call)
+    monkeypatch.setenv("M3_SPARSE_DENSE_IMPL", "flash")
+    with pytest.raises(ValueError, match=r"M3_SPARSE_DENSE_IMPL: expected one of"):
+        m3_sparse.dense_paged_attention(q, k, v, batch.block_tables, **call)
+    monkeypatch.setenv("M3_SPARSE_DENSE_IMPL", "torch")
+    assert m3_sparse.dense_paged_attention_kernel(q, k, v, batch.block_tables, **call) == "torch"
+    with pytest.raises(ValueError, match=r"impl: expected one of"):
+        m3_sparse.dense_paged_attention_kernel(q, k, v, batch.block_tables, **call, config=DenseConfig(impl="fa3"))
+
+
+def test_cpu_calls_run_torch_unpinned():
+    batch, q, k, v = _problem(2, [(20, 3)], 16, 8, 2, 32, torch.bfloat16, garbage=1.0)
+    kernel = m3_sparse.dense_paged_attention_kernel(
+        q, k, v, batch.block_tables, cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens
+    )
+    assert kernel == "torch"
+
+
+def test_reasons_name_what_flash_attn_4_does_not_take(monkeypatch):
+    batch, q, k, v = _problem(3, [(20, 3)], 16, 8, 2, 32, torch.bfloat16, garbage=1.0)
+    args = _args(batch, q, k, v, device=torch.device("cpu"))
+    assert "CUDA tensors" in attention_fa4.unsupported_reason(args)
+    # The device-independent rules, on a stand-in for a CUDA sm_90 call.
+    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(attention_fa4, "device_index", lambda device: 0)
+    cuda_like = type("T", (), {"type": "cuda"})()
+    fake_q = type("Q", (), {})()
+    for name in ("dtype", "shape", "stride", "data_ptr", "element_size"):
+        setattr(fake_q, name, getattr(args.q, name))
+    fake_q.device = cuda_like
+    base = args.replace(q=fake_q)
+    monkeypatch.setattr(attention_fa4, "varlen_function", lambda: None)
+    assert "not installed" in attention_fa4.unsupported_reason(base)
+    monkeypatch.setattr(attention_fa4, "varlen_function", lambda: object())
+    assert attention_fa4.unsupported_reason(base) is None
+    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (12, 0))
+    assert "sm_120" in attention_fa4.unsupported_reason(base)
+    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (9, 0))
+    fp32 = args.replace(k_cache=args.k_cache.float())
+    fake_q.dtype = torch.float32
+    assert "bfloat16 or float16" in attention_fa4.unsupported_reason(fp32.replace(q=fake_q))
+    fake_q.dtype = torch.bfloat16
+    # A misaligned pool would be copied whole by flash-attn-4 on every call: refused.
+    odd = torch.empty(args.k_cache.numel() + 1, dtype=args.k_cache.dtype)[1:].view(args.k_cache.shape)
+    assert "16-byte aligned" in attention_fa4.unsupported_reason(base.replace(k_cache=odd))
+
+
+def test_fa4_rule_wants_a_full_grid(monkeypatch):
+    from m3_sparse.dense import plan as dense_plan
+
+    monkeypatch.setattr(dense_plan, "num_sms", lambda device, cpu_default: 132)
+    prefill = _args(*_problem(4, [(600, 600)], 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(prefill) == 4 * (600 * 16 // 128) and dense_plan.prefers_fa4(prefill)
+    decode32 = _args(*_problem(4, [(40, 1)] * 32, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(decode32) == 128 and dense_plan.prefers_fa4(decode32)
+    decode8 = _args(*_problem(4, [(40, 1)] * 8, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(decode8) == 32 and not dense_plan.prefers_fa4(decode8)
+
+
+# --------------------------------------------------------------------------- page tails
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_clear_page_tails_matches_torch(page_size, index_dtype):
+    seqs = [(37, 1), (32, 1), (0, 0), (1, 1), (70, 2), (15, 1)]
+    batch, _, k, v = _problem(page_size, seqs, page_size, 4, 2, 24, torch.bfloat16, garbage=NAN)
+    tables, lens = batch.block_tables.to(index_dtype), batch.used_kv_lens.to(index_dtype)
+    want_k, want_v = k.clone(), v.clone()
+    clear_page_tails_torch(want_k, want_v, tables, lens)
+    got_k, got_v = k.to(DEVICE), v.to(DEVICE)
+    tails_triton.clear_page_tails(got_k, got_v, tables.to(DEVICE), lens.to(DEVICE))
+    for want, got in ((want_k, got_k.cpu()), (want_v, got_v.cpu())):
+        assert torch.equal(torch.isnan(want), torch.isnan(got))
+        assert torch.equal(want.nan_to_num(7.0), got.nan_to_num(7.0))
+    # The oracle itself: tails are zero, every token and every other page as it was.
+    for b, n in enumerate(batch.kv_lens):
+        if n % page_size:
+            page = int(batch.block_tables[b, (n - 1) // page_size])
+            assert torch.all(want_k[page, :, n % page_size :] == 0)
+            assert torch.equal(want_k[page, :, : n % page_size], k[page, :, : n % page_size])
+    untouched = torch.ones(k.shape[0], dtype=torch.bool)
+    for b, n in enumerate(batch.kv_lens):
+        if n % page_size:
+            untouched[int(batch.block_tables[b, (n - 1) // page_size])] = False
+    assert torch.equal(want_k[untouched].nan_to_num(7.0), k[untouched].nan_to_num(7.0))
+
+
+# --------------------------------------------------------------------------- plumbing
+def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal, return_lse):
+    """flash-attn-4's varlen paged forward as documented, in plain torch and its own layout:
+    k / v ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end of the
+    keys under ``causal``; returns (out, lse [Hq, Tq])."""
+    for t in (cu_seqlens_q, seqused_k, page_table):
+        assert t.dtype == torch.int32
+    pages, page_size, hkv, d = k.shape
+    hq = q.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((hq, q.shape[0]), float("-inf"))
+    cu = cu_seqlens_q.tolist()
+    assert max_seqlen_q >= max(b - a for a, b in zip(cu, cu[1:]))
+    for b, n in enumerate(seqused_k.tolist()):
+        rows = range(cu[b], cu[b + 1])
+        if not rows or n == 0:
+            continue
+        ids = page_table[b, : -(-n // page_size)].long()
+        keys = k[ids].reshape(-1, hkv, d)[:n].float()  # [n, Hkv, D]
+        vals = v[ids].reshape(-1, hkv, d)[:n].float()
+        qq = q[cu[b] : cu[b + 1]].float().view(len(rows), hkv, hq // hkv, d)
+        s = torch.einsum("rhgd,nhd->rhgn", qq, keys) * softmax_scale
+        if causal:
+            last = torch.arange(len(rows)) + n - len(rows)  # each row's last visible key
+            s = s.masked_fill((torch.arange(n)[None, :] > last[:, None])[:, None, None, :], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        seen = torch.isfinite(m)
+        p = torch.exp(s - torch.where(seen, m, 0.0))
+        l = p.sum(-1, keepdim=True)
+        o = torch.einsum("rhgn,nhd->rhgd", p, vals) / torch.where(seen, l, 1.0)
+        out[cu[b] : cu[b + 1]] = o.reshape(len(rows), hq, d).to(q.dtype)
+        row_lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+        lse[:, cu[b] : cu[b + 1]] = row_lse.reshape(len(rows), hq).T
+    return out, (lse if return_lse else None)
+
+
+def test_plumbing_against_the_documented_contract(monkeypatch):
+    seqs = [(37, 5), (21, 21), (23, 1), (32, 1), (3, 7), (130, 2)]
+    batch, q, k, v = _problem(11, seqs, 16, 8, 2, 32, torch.float32, garbage=NAN)
+    pool_k, pool_v = k.clone(), v.clone()
+    seen = {}
+
+    def fake(q_, k_, v_, **kw):
+        # The pools go in as views of the caller's storage, never copies.
+        seen["k_is_view"] = k_.data_ptr() == pool_k.data_ptr() and k_.shape == (k.shape[0], 16, 2, 32)
+        seen["v_is_view"] = v_.data_ptr() == pool_v.data_ptr()
+        return _contract_fa4(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(attention_fa4, "varlen_function", lambda: fake)
+    args = attention_args(
+        q, pool_k, pool_v, batch.block_tables.long(), cu_seqlens_q=batch.cu_seqlens_q.long(),
+        used_kv_lens=batch.used_kv_lens.long(), softmax_scale=SCALE, causal=True, return_lse=True, sparse=False,
+    )
+    out, lse = attention_fa4.run_dense_fa4(args)
+    assert seen == {"k_is_view": True, "v_is_view": True}
+    ref_o, ref_lse = dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, True)
+    assert_close("out vs oracle", ref_o, out, TOLERANCES[torch.float32])
+    assert_close("lse vs oracle", ref_lse, lse, TOLERANCES[torch.float32])
+
+
+# --------------------------------------------------------------------------- flash-attn-4
+def _fa4_call(batch, q, k, v, causal, **kw):
+    return m3_sparse.dense_paged_attention(
+        q, k, v, batch.block_tables.to(DEVICE), cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE),
+        used_kv_lens=batch.used_kv_lens.to(DEVICE), softmax_scale=SCALE, causal=causal, return_lse=True,
+        config=DenseConfig(impl="fa4"), **kw,
+    )
+
+
+@pytest.mark.gpu
+@needs_fa4
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("page_size", [64, 128])
+@pytest.mark.parametrize("hq,hkv,d", [(64, 4, 128), (16, 2, 64)], ids=["m3", "gqa8-d64"])
+def test_fa4_matches_oracle_with_nan_in_unused_slots(hq, hkv, d, page_size, causal, dtype):
+    seqs = [(s * page_size // 16, n) for s, n in ((37, 5), (21, 21), (23, 1), (32, 1))] + [(0, 0), (3, 7), (70, 0), (130, 2)]
+    batch, q, k, v = _problem(hq + d + page_size + int(causal), seqs, page_size, hq, hkv, d, dtype)
+    qd, kd, vd = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    out, lse = _fa4_call(batch, qd, kd, vd, causal, max_seqlen_q=max(batch.q_lens))
+    ref_o, ref_lse = dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal)
+    assert_close("out vs oracle", ref_o, out.cpu(), TOLERANCES[dtype])
+    assert_close("lse vs oracle", ref_lse, lse.cpu(), TOLERANCES[torch.float32])
+    dead = ref_lse.transpose(0, 1) == float("-inf")
+    assert torch.all(out.cpu()[dead] == 0)
+    # Only the tails changed in the caches (to zeros); every token is as it was.
+    want_k, want_v = k.clone(), v.clone()
+    clear_page_tails_torch(want_k, want_v, batch.block_tables, batch.used_kv_lens)
+    assert torch.equal(want_k.nan_to_num(7.0), kd.cpu().nan_to_num(7.0))
+    assert torch.equal(want_v.nan_to_num(7.0), vd.cpu().nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_is_the_default_where_it_runs():
+    def kernel(seqs, dtype=torch.bfloat16):
+        batch, q, k, v = _problem(5, seqs, 128, 64, 4, 128, dtype)
+        return m3_sparse.dense_paged_attention_kernel(
+            q.cuda(), k.cuda(), v.cuda(), batch.block_tables.cuda(), cu_seqlens_q=batch.cu_seqlens_q.cuda(),
+            used_kv_lens=batch.used_kv_lens.cuda(), max_seqlen_q=max(batch.q_lens),
+        )
+
+    assert kernel([(2000, 2000), (300, 40)]) == "fa4"  # a prefill fills the GPU
+    assert kernel([(300, 1), (40, 1)]) == "triton"  # a small decode batch: the Triton kernel splits keys
+    assert kernel([(2000, 2000)], torch.float32) == "triton"  # fp32: not flash-attn-4's
+
+
+@pytest.mark.gpu
+@needs_fa4
+def test_fa4_in_a_cuda_graph_follows_a_decode_step():
+    """Recorded before each sequence's last token is in the cache (its slot holds NaN),
+    replayed after the token is written and the lengths grow by one, as a decode step."""
+    seqs = [(300, 1), (40, 1), (129, 1), (1000, 1)]
+    batch, q, k, v = _problem(9, seqs, 128, 64, 4, 128, torch.bfloat16)
+    last = [(int(batch.block_tables[b, (n - 1) // 128]), (n - 1) % 128) for b, n in enumerate(batch.kv_lens)]
+    tokens = [(k[p, :, s].clone(), v[p, :, s].clone()) for p, s in last]
+    qd, kd, vd = q.cuda(), k.cuda(), v.cuda()
+    for p, s in last:
+        kd[p, :, s], vd[p, :, s] = NAN, NAN
+    bt, cu, lens = batch.block_tables.cuda(), batch.cu_seqlens_q.cuda(), batch.used_kv_lens.cuda() - 1
+
+    def step():
+        return m3_sparse.dense_paged_attention(
+            qd, kd, vd, bt, cu_seqlens_q=cu, used_kv_lens=lens, softmax_scale=SCALE, return_lse=True,
+            max_seqlen_q=1, config=DenseConfig(impl="fa4"),
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for (p, s), (tk, tv) in zip(last, tokens):
+        kd[p, :, s], vd[p, :, s] = tk.cuda(), tv.cuda()
+    lens += 1
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_lse = dense_attention_ref(
+        q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, True
+    )
+    assert_close("out vs oracle", ref_o, out.cpu(), TOLERANCES[torch.bfloat16])
+    assert_close("lse vs oracle", ref_lse, lse.cpu(), TOLERANCES[torch.float32])

@@ -1,0 +1,103 @@
+"""Dense paged attention on flash-attn-4 (its CuTe DSL kernels), where it is installed and
+takes the call: bfloat16 / float16 q and caches on sm_90 or sm_100.
+
+Same contract as :func:`attention.dense_paged_attention_torch` (the oracle):
+
+* the pools ``[pages, Hkv, page_size, D]`` go in as the permuted view ``[pages, page_size,
+  Hkv, D]`` that flash-attn-4 indexes: a view, never a copy (``unsupported_reason`` refuses
+  strides it would copy, since it copies a misaligned pool whole without a word);
+* a sequence's queries are its last tokens (flash-attn-4's causal mask is aligned to the
+  end of the keys, as here); ``seqused_k`` is ``used_kv_lens``; the lse comes back as
+  ``[Hq, Tq]`` in natural-log units, as here;
+* with pages of its key tile (128 keys at D 128) it loads each page as one TMA box and
+  multiplies the masked probabilities (zeros) into every V row of the box, so a NaN in a
+  slot past a sequence's length poisons the row. ``tails_triton.clear_page_tails`` zeroes
+  those slots first, on every call (one launch of ``B x Hkv`` programs): they hold no token,
+  and every reader of the cache ignores them.
+
+flash-attn-4 is imported on first use: a CPU install, or a GPU one without it, never loads
+the CUTLASS DSL.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..core.args import AttnArgs
+from ..core.launch import device_capability, device_index
+
+DTYPES = (torch.bfloat16, torch.float16)
+# The compute-capability majors whose flash-attn-4 kernels this package runs: sm_90 (Hopper,
+# measured) and sm_100 (Blackwell, where it is the reference kernel).
+ARCHS = (9, 10)
+INSTALL_HINT = "pip install 'm3-hf-attention[fa4]' (or flash-attn-4)"
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_function():
+    """flash-attn-4's ``flash_attn_varlen_func``, or None when it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """flash-attn-4's layout rule (16-byte aligned base and outer strides, unit last
+    stride): a pool that breaks it would be copied whole on every call."""
+    elems = 16 // t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:-1])
+
+
+def unsupported_reason(args: AttnArgs) -> str | None:
+    """Why flash-attn-4 cannot run this checked call (None when it can). Host facts only."""
+    q, k, v = args.q, args.k_cache, args.v_cache
+    if q.device.type != "cuda":
+        return f"flash-attn-4 runs on CUDA tensors, got tensors on {q.device}"
+    major, minor = device_capability(device_index(q.device))
+    if major not in ARCHS:
+        return f"flash-attn-4 runs here on sm_90 and sm_100, this GPU is sm_{major}{minor}"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (
+            f"flash-attn-4 takes bfloat16 or float16 q and caches of q's dtype here, got q {q.dtype}, "
+            f"caches {k.dtype} (fp8 caches run the Triton kernel)"
+        )
+    d = args.d
+    if d % 8 or not 8 <= d <= (256 if major == 9 else 128):
+        return f"flash-attn-4 takes head dims that are multiples of 8 up to {256 if major == 9 else 128}, got {d}"
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if not _aligned(t):
+            return f"flash-attn-4 needs {name} with a unit last stride and 16-byte aligned outer strides"
+    if varlen_function() is None:
+        return f"flash-attn-4 is not installed ({INSTALL_HINT})"
+    return None
+
+
+def run_dense_fa4(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """flash-attn-4 on a checked call that ``unsupported_reason`` accepts. Returns (out
+    [Tq, Hq, D] in q's dtype, lse [Hq, Tq] fp32 or None). Zeroes the page tails of K and V
+    (see the module docstring); reads nothing back to the host."""
+    if args.num_tokens == 0 or args.batch <= 0:
+        return args.new_outputs(no_keys=True)
+    from .tails_triton import clear_page_tails
+
+    tables = args.block_tables.to(torch.int32).contiguous()
+    cu = args.cu_seqlens_q.to(torch.int32).contiguous()
+    used = args.used_kv_lens.to(torch.int32).contiguous()
+    clear_page_tails(args.k_cache, args.v_cache, tables, used)
+    out, lse = varlen_function()(
+        args.q,
+        args.k_cache.permute(0, 2, 1, 3),  # [pages, page_size, Hkv, D]
+        args.v_cache.permute(0, 2, 1, 3),
+        cu_seqlens_q=cu,
+        seqused_k=used,
+        page_table=tables,
+        max_seqlen_q=args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens),
+        softmax_scale=args.softmax_scale,
+        causal=args.causal,
+        return_lse=args.return_lse,
+    )
+    return out, (lse if args.return_lse else None)
