@@ -128,10 +128,14 @@ def test_fa4_rule_wants_a_full_grid(monkeypatch):
     monkeypatch.setattr(dense_plan, "num_sms", lambda device, cpu_default: 132)
     prefill = _args(*_problem(4, [(600, 600)], 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
     assert dense_plan.fa4_programs(prefill) == 4 * (600 * 16 // 128) and dense_plan.prefers_fa4(prefill)
-    decode32 = _args(*_problem(4, [(40, 1)] * 32, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
-    assert dense_plan.fa4_programs(decode32) == 128 and dense_plan.prefers_fa4(decode32)
-    decode8 = _args(*_problem(4, [(40, 1)] * 8, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
-    assert dense_plan.fa4_programs(decode8) == 32 and not dense_plan.prefers_fa4(decode8)
+    # Decode rows go to the Triton kernel however large the batch (measured faster there).
+    decode = _args(*_problem(4, [(40, 1)] * 160, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(decode) == 640 and not dense_plan.prefers_fa4(decode)
+    # Rows that fill a tile, but too few programs for the GPU.
+    small = _args(*_problem(4, [(40, 8)] * 8, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(small) == 32 and not dense_plan.prefers_fa4(small)
+    wide = _args(*_problem(4, [(40, 8)] * 32, 16, 64, 4, 32, torch.bfloat16, garbage=1.0), device=torch.device("cpu"))
+    assert dense_plan.fa4_programs(wide) == 128 and dense_plan.prefers_fa4(wide)
 
 
 # --------------------------------------------------------------------------- page tails
@@ -163,15 +167,17 @@ def test_clear_page_tails_matches_torch(page_size, index_dtype):
 
 # --------------------------------------------------------------------------- plumbing
 def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal, return_lse):
-    """flash-attn-4's varlen paged forward as documented, in plain torch and its own layout:
-    k / v ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end of the
-    keys under ``causal``; returns (out, lse [Hq, Tq])."""
+    """flash-attn-4's varlen paged forward as measured on the H200, in plain torch and its
+    own layout: k / v ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end
+    of the keys under ``causal``, every row seeing every key without it (also rows before the
+    sequence's first key); a row that sees no key gets zeros and an lse of +inf. Returns
+    (out, lse [Hq, Tq])."""
     for t in (cu_seqlens_q, seqused_k, page_table):
         assert t.dtype == torch.int32
     pages, page_size, hkv, d = k.shape
     hq = q.shape[1]
     out = torch.zeros_like(q)
-    lse = torch.full((hq, q.shape[0]), float("-inf"))
+    lse = torch.full((hq, q.shape[0]), float("inf"))
     cu = cu_seqlens_q.tolist()
     assert max_seqlen_q >= max(b - a for a, b in zip(cu, cu[1:]))
     for b, n in enumerate(seqused_k.tolist()):
@@ -192,13 +198,14 @@ def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q,
         l = p.sum(-1, keepdim=True)
         o = torch.einsum("rhgn,nhd->rhgd", p, vals) / torch.where(seen, l, 1.0)
         out[cu[b] : cu[b + 1]] = o.reshape(len(rows), hq, d).to(q.dtype)
-        row_lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+        row_lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("inf"))
         lse[:, cu[b] : cu[b + 1]] = row_lse.reshape(len(rows), hq).T
     return out, (lse if return_lse else None)
 
 
-def test_plumbing_against_the_documented_contract(monkeypatch):
-    seqs = [(37, 5), (21, 21), (23, 1), (32, 1), (3, 7), (130, 2)]
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_plumbing_against_the_measured_contract(monkeypatch, causal):
+    seqs = [(37, 5), (21, 21), (23, 1), (32, 1), (3, 7), (0, 2), (130, 2)]
     batch, q, k, v = _problem(11, seqs, 16, 8, 2, 32, torch.float32, garbage=NAN)
     pool_k, pool_v = k.clone(), v.clone()
     seen = {}
@@ -212,11 +219,11 @@ def test_plumbing_against_the_documented_contract(monkeypatch):
     monkeypatch.setattr(attention_fa4, "varlen_function", lambda: fake)
     args = attention_args(
         q, pool_k, pool_v, batch.block_tables.long(), cu_seqlens_q=batch.cu_seqlens_q.long(),
-        used_kv_lens=batch.used_kv_lens.long(), softmax_scale=SCALE, causal=True, return_lse=True, sparse=False,
+        used_kv_lens=batch.used_kv_lens.long(), softmax_scale=SCALE, causal=causal, return_lse=True, sparse=False,
     )
     out, lse = attention_fa4.run_dense_fa4(args)
     assert seen == {"k_is_view": True, "v_is_view": True}
-    ref_o, ref_lse = dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, True)
+    ref_o, ref_lse = dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal)
     assert_close("out vs oracle", ref_o, out, TOLERANCES[torch.float32])
     assert_close("lse vs oracle", ref_lse, lse, TOLERANCES[torch.float32])
 

@@ -130,20 +130,29 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
 
 
 # flash-attn-4 runs one program per (128 packed query rows, kv head) of a sequence and does
-# not split the keys on sm_90; with fewer programs than this fraction of the SMs (decode of a
-# small batch) the SMs it leaves idle cost more than its faster tiles save, and the Triton
-# kernel, which splits the keys, runs instead.
+# not split the keys on sm_90 (it refuses num_splits > 1 there). Measured on the H200
+# (docs/PERF.md, "Dense paged attention"): in prefill it beats the Triton kernel (and cuDNN);
+# on decode rows (one token's 16 heads in a 128-row tile) it is never faster than the Triton
+# kernel, which splits the keys: 2.03 against 2.00 ms at 32 x 128K, 1.34 against under 0.36 ms
+# at 1 x 128K. So it takes calls whose sequences fill its tiles and whose grid fills most SMs.
 FA4_ROWS = 128
 FA4_MIN_SM_FRACTION = 0.75
 
 
 def fa4_programs(args: AttnArgs) -> int:
     """flash-attn-4's grid for this call on sm_90 (GQA heads packed into its 128-row tiles)."""
-    rows_q = args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
-    return args.batch * args.hkv * -(-(rows_q * args.group) // FA4_ROWS)
+    return args.batch * args.hkv * -(-(_rows_q(args) * args.group) // FA4_ROWS)
+
+
+def _rows_q(args: AttnArgs) -> int:
+    return args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
 
 
 def prefers_fa4(args: AttnArgs) -> bool:
     """Whether an unpinned CUDA call that flash-attn-4 can take should run it rather than the
-    Triton kernel (shapes only): when its grid fills most of the GPU."""
-    return fa4_programs(args) >= FA4_MIN_SM_FRACTION * num_sms(args.q.device, cpu_default=4)
+    Triton kernel (shapes only): a sequence's rows fill one of its tiles, and its grid fills
+    most of the GPU."""
+    return (
+        _rows_q(args) * args.group >= FA4_ROWS
+        and fa4_programs(args) >= FA4_MIN_SM_FRACTION * num_sms(args.q.device, cpu_default=4)
+    )

@@ -40,7 +40,11 @@ from ..core.validate import debug_enabled
 from .impl import uses_m3_sparse
 
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
-DEFAULT_PAGE_SIZE = 64
+# One page per index block (128 tokens, the KV-outer block), and the page flash-attn-4 loads
+# as one TMA box: with it the 12-layer model's 128K prefill took 2488 ms against 2847-2862 ms
+# at 64 on the Triton dense kernel (H200, docs/PERF.md). Without flash-attn-4 the Triton dense
+# prefill is about 7% slower at 128 than at 64 (575 against 536 ms at 128K).
+DEFAULT_PAGE_SIZE = 128
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -322,7 +326,7 @@ class M3PagedCache(Cache):
         config: the model config (``MiniMaxM3VLConfig`` or its text config).
         batch_size: number of sequences.
         max_cache_len: tokens each sequence may hold (prompt, padding and generated tokens).
-        page_size: tokens per page: 16, 32, 64 or 128 (the GPU benchmarks use 64 and 128).
+        page_size: tokens per page: 16, 32, 64 or 128 (default 128, see DEFAULT_PAGE_SIZE).
         device, dtype: where and how to store; by default each layer takes them from its first
             update, so the layers of a device_map model keep their pages on their own devices.
         block_tables: optional ``[batch_size, ceil(max_cache_len / page_size)]`` page ids into a

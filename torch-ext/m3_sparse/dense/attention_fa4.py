@@ -8,7 +8,9 @@ Same contract as :func:`attention.dense_paged_attention_torch` (the oracle):
   strides it would copy, since it copies a misaligned pool whole without a word);
 * a sequence's queries are its last tokens (flash-attn-4's causal mask is aligned to the
   end of the keys, as here); ``seqused_k`` is ``used_kv_lens``; the lse comes back as
-  ``[Hq, Tq]`` in natural-log units, as here;
+  ``[Hq, Tq]`` in natural-log units, as here; rows that see no key are set to zeros and
+  an lse of -inf afterwards (flash-attn-4 marks them otherwise, and without the causal mask
+  does not drop the rows before a sequence's first key);
 * with pages of its key tile (128 keys at D 128) it loads each page as one TMA box and
   multiplies the masked probabilities (zeros) into every V row of the box, so a NaN in a
   slot past a sequence's length poisons the row. ``tails_triton.clear_page_tails`` zeroes
@@ -27,6 +29,7 @@ import torch
 
 from ..core.args import AttnArgs
 from ..core.launch import device_capability, device_index
+from ..core.layout import token_positions
 
 DTYPES = (torch.bfloat16, torch.float16)
 # The compute-capability majors whose flash-attn-4 kernels this package runs: sm_90 (Hopper,
@@ -98,6 +101,18 @@ def run_dense_fa4(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         max_seqlen_q=args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens),
         softmax_scale=args.softmax_scale,
         causal=args.causal,
-        return_lse=args.return_lse,
+        return_lse=True,
     )
+    # A row that sees no key gets zeros and an lse of -inf here. flash-attn-4 marks the rows
+    # it finds keyless (an empty sequence; under its causal mask, rows before the first key)
+    # with a non-finite lse of its own sign, so the lse is always asked for. Without the
+    # causal mask it lets a row before its sequence's first key (more queries than keys) see
+    # every key, where this package's rule is that such a row sees none: those rows are
+    # found from the lengths, on the device.
+    dead = ~torch.isfinite(lse)  # [Hq, Tq]
+    if not args.causal:
+        _, pos = token_positions(cu, used, args.num_tokens)
+        dead |= (pos < 0)[None, :]
+    out.masked_fill_(dead.transpose(0, 1)[..., None], 0.0)
+    lse.masked_fill_(dead, float("-inf"))
     return out, (lse if args.return_lse else None)
