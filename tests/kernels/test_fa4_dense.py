@@ -167,11 +167,11 @@ def test_clear_page_tails_matches_torch(page_size, index_dtype):
 
 # --------------------------------------------------------------------------- plumbing
 def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal, return_lse):
-    """flash-attn-4's varlen paged forward as measured on the H200, in plain torch and its
-    own layout: k / v ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end
-    of the keys under ``causal``, every row seeing every key without it (also rows before the
-    sequence's first key); a row that sees no key gets zeros and an lse of +inf. Returns
-    (out, lse [Hq, Tq])."""
+    """flash-attn-4's varlen paged forward in plain torch and its own layout: k / v
+    ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end of the keys under
+    ``causal``, every row seeing every key without it (also rows before the sequence's first
+    key, as measured on the H200). A row that sees no key gets zeros and a non-finite lse
+    (+inf here: the code under test must not rely on its sign). Returns (out, lse [Hq, Tq])."""
     for t in (cu_seqlens_q, seqused_k, page_table):
         assert t.dtype == torch.int32
     pages, page_size, hkv, d = k.shape
