@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_bf64684e23"
+NAMESPACE = "_m3_sparse_cuda_8b00763522"
 
 ops = getattr(torch.ops, NAMESPACE)
 

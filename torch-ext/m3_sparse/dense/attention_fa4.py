@@ -35,7 +35,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 # The compute-capability majors whose flash-attn-4 kernels this package runs: sm_90 (Hopper,
 # measured) and sm_100 (Blackwell, where it is the reference kernel).
 ARCHS = (9, 10)
-INSTALL_HINT = "pip install 'm3-hf-attention[fa4]' (or flash-attn-4)"
+INSTALL_HINT = 'pip install flash-attn-4, or this project with its fa4 extra: pip install -e ".[fa4]"'
 
 
 @functools.lru_cache(maxsize=None)
