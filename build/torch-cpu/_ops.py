@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_8b00763522"
+NAMESPACE = "_m3_sparse_cpu_0291c26693"
 
 ops = getattr(torch.ops, NAMESPACE)
 

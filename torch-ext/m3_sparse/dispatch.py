@@ -181,7 +181,8 @@ def requested_dense_impl(impl: str = "auto") -> tuple[str, str]:
         raise ValueError(f"M3_SPARSE_DENSE_IMPL: expected one of {DENSE_IMPLS}, got {env!r}")
     if env != "auto":
         return env, f"M3_SPARSE_DENSE_IMPL={env}"
-    return requested_impl(), f"M3_SPARSE_IMPL={requested_impl()}"
+    chosen = requested_impl()
+    return chosen, f"M3_SPARSE_IMPL={chosen}"
 
 
 def dense_kernel(args: AttnArgs, cfg: dense_plan.DenseConfig) -> str:
@@ -235,7 +236,7 @@ def decode_max_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def runs_decode(args: AttnArgs) -> bool:
     """Whether ``sparse_attention`` runs the decode kernel (else KV-outer) for this call:
     ``args.max_seqlen_q`` (or the query count) rows per sequence at most the bound."""
-    rows = args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
+    rows = args.rows_per_seq
     return rows <= decode_max_queries(args.q, args.k_cache, args.v_cache, args.block_size, args.out_dtype)
 
 

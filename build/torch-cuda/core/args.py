@@ -52,6 +52,11 @@ class AttnArgs:
         return self.q.shape[0]
 
     @property
+    def rows_per_seq(self) -> int:
+        """A host-known bound of one sequence's query rows: ``max_seqlen_q``, else ``Tq``."""
+        return self.num_tokens if self.max_seqlen_q is None else min(self.max_seqlen_q, self.num_tokens)
+
+    @property
     def hq(self) -> int:
         return self.q.shape[1]
 

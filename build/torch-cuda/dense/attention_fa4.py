@@ -98,7 +98,7 @@ def run_dense_fa4(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         cu_seqlens_q=cu,
         seqused_k=used,
         page_table=tables,
-        max_seqlen_q=args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens),
+        max_seqlen_q=args.rows_per_seq,
         softmax_scale=args.softmax_scale,
         causal=args.causal,
         return_lse=True,

@@ -112,8 +112,8 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
     gp = next_pow2(args.group)
-    rows_q = args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
-    tm = tile_tokens(gp, rows_q, default_block_m(args.q.dtype) if cfg.block_m is None else int(cfg.block_m))
+    block_m = default_block_m(args.q.dtype) if cfg.block_m is None else int(cfg.block_m)
+    tm = tile_tokens(gp, args.rows_per_seq, block_m)
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
     num_splits = cfg.num_splits
@@ -130,22 +130,17 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
 
 
 # flash-attn-4 runs one program per (128 packed query rows, kv head) of a sequence and does
-# not split the keys on sm_90 (it refuses num_splits > 1 there). Measured on the H200
-# (docs/PERF.md, "Dense paged attention"): in prefill it beats the Triton kernel (and cuDNN);
-# on decode rows (one token's 16 heads in a 128-row tile) it is never faster than the Triton
-# kernel, which splits the keys: 2.03 against 2.00 ms at 32 x 128K, 1.34 against under 0.36 ms
-# at 1 x 128K. So it takes calls whose sequences fill its tiles and whose grid fills most SMs.
+# not split the keys on sm_90 (it refuses num_splits > 1 there). On the H200 it beat the Triton
+# kernel and cuDNN in prefill, and was never faster than the Triton kernel, which splits the
+# keys, on decode rows (one token's 16 heads in a 128-row tile); docs/PERF.md, "Dense paged
+# attention". So it takes calls whose sequences fill its tiles and whose grid fills most SMs.
 FA4_ROWS = 128
 FA4_MIN_SM_FRACTION = 0.75
 
 
 def fa4_programs(args: AttnArgs) -> int:
     """flash-attn-4's grid for this call on sm_90 (GQA heads packed into its 128-row tiles)."""
-    return args.batch * args.hkv * -(-(_rows_q(args) * args.group) // FA4_ROWS)
-
-
-def _rows_q(args: AttnArgs) -> int:
-    return args.num_tokens if args.max_seqlen_q is None else min(args.max_seqlen_q, args.num_tokens)
+    return args.batch * args.hkv * -(-(args.rows_per_seq * args.group) // FA4_ROWS)
 
 
 def prefers_fa4(args: AttnArgs) -> bool:
@@ -153,6 +148,6 @@ def prefers_fa4(args: AttnArgs) -> bool:
     Triton kernel (shapes only): a sequence's rows fill one of its tiles, and its grid fills
     most of the GPU."""
     return (
-        _rows_q(args) * args.group >= FA4_ROWS
+        args.rows_per_seq * args.group >= FA4_ROWS
         and fa4_programs(args) >= FA4_MIN_SM_FRACTION * num_sms(args.q.device, cpu_default=4)
     )

@@ -41,9 +41,8 @@ from .impl import uses_m3_sparse
 
 SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 # One page per index block (128 tokens, the KV-outer block), and the page flash-attn-4 loads
-# as one TMA box: with it the 12-layer model's 128K prefill took 2488 ms against 2847-2862 ms
-# at 64 on the Triton dense kernel (H200, docs/PERF.md). Without flash-attn-4 the Triton dense
-# prefill is about 7% slower at 128 than at 64 (575 against 536 ms at 128K).
+# as one TMA box: the faster model prefill with flash-attn-4, for a slower Triton dense prefill
+# without it (docs/PERF.md, "Dense paged attention").
 DEFAULT_PAGE_SIZE = 128
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
@@ -227,9 +226,8 @@ class M3PagedLayer(CacheLayerMixin):
             states = to_e4m3(states, scale)
         if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
             # Indices into the pool's own dimensions, not a permuted view of it: a compiled
-            # step then scatters in place. Through a view, inductor rebuilt the whole pool
-            # and copied it back on every write (two 63 us kernels per pool and step at 128K
-            # on the H200, more than the step's attention).
+            # step then scatters in place. Through a view, inductor rebuilt the whole pool and
+            # copied it back on every write (docs/perf-log/2026-12-03.md).
             values = states.transpose(1, 2).to(pool.dtype)  # [B, S, H, D]
             pool.index_put_((page[..., None], self._heads, slot[..., None]), values)
         else:  # index keys: [pages, page_size, D], one shared head
