@@ -190,8 +190,10 @@ def dense_kernel(args: AttnArgs, cfg: dense_plan.DenseConfig) -> str:
 
     Unpinned, on CUDA: flash-attn-4 where it takes the call and ``dense_plan.prefers_fa4``
     (a measured rule) picks it, else the Triton kernel where it takes the call, else torch.
-    Pinned to "fa4", a call flash-attn-4 cannot run (not installed, fp8, another GPU) raises
-    the reason; "triton" and "torch" behave as ``use_triton`` says."""
+    fp8 caches go to flash-attn-4 only when pinned: its fp8 path (sm_100) is compiled in the
+    tests but has not run on hardware. Pinned to "fa4", a call flash-attn-4 cannot run (not
+    installed, fp8 on sm_90, another GPU) raises the reason; "triton" and "torch" behave as
+    ``use_triton`` says."""
     chosen, asked = requested_dense_impl(cfg.impl)
     if chosen == "fa4":
         why = dense_fa4.unsupported_reason(args)
@@ -201,6 +203,7 @@ def dense_kernel(args: AttnArgs, cfg: dense_plan.DenseConfig) -> str:
     if (
         chosen == "auto"
         and args.q.device.type == "cuda"
+        and not args.kv_fp8
         and dense_plan.prefers_fa4(args)
         and dense_fa4.unsupported_reason(args) is None
     ):

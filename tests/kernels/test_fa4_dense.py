@@ -10,7 +10,11 @@ without a GPU. The ``gpu`` tests run flash-attn-4 itself.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,17 +170,28 @@ def test_clear_page_tails_matches_torch(page_size, index_dtype):
 
 
 # --------------------------------------------------------------------------- plumbing
-def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal, return_lse):
+def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q, softmax_scale, causal, return_lse,
+                  q_descale=None, k_descale=None, v_descale=None):
     """flash-attn-4's varlen paged forward in plain torch and its own layout: k / v
     ``[pages, page_size, Hkv, D]``, int32 metadata, rows aligned to the end of the keys under
     ``causal``, every row seeing every key without it (also rows before the sequence's first
     key, as measured on the H200). A row that sees no key gets zeros and a non-finite lse
-    (+inf here: the code under test must not rely on its sign). Returns (out, lse [Hq, Tq])."""
+    (+inf here: the code under test must not rely on its sign). fp8 (its ``_flash_attn_fwd``):
+    q, k and v all e4m3, each with float32 descales ``[B, Hkv]`` that multiply its values,
+    bfloat16 out. Returns (out, lse [Hq, Tq])."""
     for t in (cu_seqlens_q, seqused_k, page_table):
         assert t.dtype == torch.int32
     pages, page_size, hkv, d = k.shape
     hq = q.shape[1]
-    out = torch.zeros_like(q)
+    fp8 = v.dtype == torch.float8_e4m3fn
+    assert q.dtype == k.dtype == v.dtype
+    descales = (q_descale, k_descale, v_descale)
+    if fp8:
+        for t in descales:
+            assert t.dtype == torch.float32 and t.shape == (seqused_k.shape[0], hkv) and t.is_contiguous()
+    else:
+        assert descales == (None, None, None)
+    out = torch.zeros(q.shape, dtype=torch.bfloat16 if fp8 else q.dtype)
     lse = torch.full((hq, q.shape[0]), float("inf"))
     cu = cu_seqlens_q.tolist()
     assert max_seqlen_q >= max(b - a for a, b in zip(cu, cu[1:]))
@@ -188,6 +203,9 @@ def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q,
         keys = k[ids].reshape(-1, hkv, d)[:n].float()  # [n, Hkv, D]
         vals = v[ids].reshape(-1, hkv, d)[:n].float()
         qq = q[cu[b] : cu[b + 1]].float().view(len(rows), hkv, hq // hkv, d)
+        if fp8:
+            qq = qq * q_descale[b][None, :, None, None]
+            keys, vals = keys * k_descale[b][None, :, None], vals * v_descale[b][None, :, None]
         s = torch.einsum("rhgd,nhd->rhgn", qq, keys) * softmax_scale
         if causal:
             last = torch.arange(len(rows)) + n - len(rows)  # each row's last visible key
@@ -197,7 +215,7 @@ def _contract_fa4(q, k, v, *, cu_seqlens_q, seqused_k, page_table, max_seqlen_q,
         p = torch.exp(s - torch.where(seen, m, 0.0))
         l = p.sum(-1, keepdim=True)
         o = torch.einsum("rhgn,nhd->rhgd", p, vals) / torch.where(seen, l, 1.0)
-        out[cu[b] : cu[b + 1]] = o.reshape(len(rows), hq, d).to(q.dtype)
+        out[cu[b] : cu[b + 1]] = o.reshape(len(rows), hq, d).to(out.dtype)
         row_lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("inf"))
         lse[:, cu[b] : cu[b + 1]] = row_lse.reshape(len(rows), hq).T
     return out, (lse if return_lse else None)
@@ -225,6 +243,95 @@ def test_plumbing_against_the_measured_contract(monkeypatch, causal):
     assert seen == {"k_is_view": True, "v_is_view": True}
     ref_o, ref_lse = dense_attention_ref(q, k, v, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens, SCALE, causal)
     assert_close("out vs oracle", ref_o, out, TOLERANCES[torch.float32])
+    assert_close("lse vs oracle", ref_lse, lse, TOLERANCES[torch.float32])
+
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.05, 0.02  # distinct, so a swapped descale shows
+
+
+def _fp8_args(seed, seqs, q_dtype=torch.bfloat16, causal=True, device=torch.device("cpu"), **kw):
+    """An fp8-cache call (q in ``q_dtype``), its pools and batch."""
+    batch, q, k, v = _problem(seed, seqs, 16, 8, 2, 32, torch.float32, garbage=NAN)
+    k8, v8 = (k / K_SCALE).to(FP8), (v / V_SCALE).to(FP8)
+    q_scale = {} if q_dtype != FP8 else {"q_scale": 0.03}
+    qq = (q / 0.03).to(FP8) if q_dtype == FP8 else q.to(q_dtype)
+    args = attention_args(
+        qq.to(device), k8.to(device), v8.to(device), batch.block_tables.to(device),
+        cu_seqlens_q=batch.cu_seqlens_q.to(device), used_kv_lens=batch.used_kv_lens.to(device), softmax_scale=SCALE,
+        causal=causal, return_lse=True, sparse=False, k_scale=K_SCALE, v_scale=V_SCALE, **q_scale, **kw,
+    )
+    return batch, args
+
+
+def _as_cuda(args, monkeypatch, major):
+    """``args`` with q standing in for a CUDA tensor on an sm_{major}0 GPU (host facts only)."""
+    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (major, 0))
+    monkeypatch.setattr(attention_fa4, "device_index", lambda device: 0)
+    fake_q = type("Q", (), {})()
+    for name in ("dtype", "shape", "stride", "data_ptr", "element_size"):
+        setattr(fake_q, name, getattr(args.q, name))
+    fake_q.device = type("T", (), {"type": "cuda"})()
+    return args.replace(q=fake_q)
+
+
+def test_fp8_reasons(monkeypatch):
+    _, args = _fp8_args(5, [(20, 3)])
+    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: object())
+    assert "sm_100 only, this GPU is sm_90" in attention_fa4.unsupported_reason(_as_cuda(args, monkeypatch, 9))
+    assert attention_fa4.unsupported_reason(_as_cuda(args, monkeypatch, 10)) is None
+    _, fp8_q = _fp8_args(5, [(20, 3)], q_dtype=FP8)
+    assert attention_fa4.unsupported_reason(_as_cuda(fp8_q, monkeypatch, 10)) is None
+    _, f32_out = _fp8_args(5, [(20, 3)], out_dtype=torch.float32)
+    assert "write bfloat16" in attention_fa4.unsupported_reason(_as_cuda(f32_out, monkeypatch, 10))
+    _, f32_q = _fp8_args(5, [(20, 3)], q_dtype=torch.float32)
+    assert "float8_e4m3fn q, got q torch.float32" in attention_fa4.unsupported_reason(_as_cuda(f32_q, monkeypatch, 10))
+    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: None)
+    assert "not installed" in attention_fa4.unsupported_reason(_as_cuda(args, monkeypatch, 10))
+
+
+def test_fp8_goes_to_fa4_only_when_pinned(monkeypatch):
+    from m3_sparse import dispatch
+    from m3_sparse.dense import plan as dense_plan
+
+    _, args = _fp8_args(6, [(300, 300)])
+    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: object())
+    monkeypatch.setattr(dense_plan, "prefers_fa4", lambda a: True)
+    monkeypatch.setattr(dispatch, "use_triton", lambda *a: True)
+    cuda_args = _as_cuda(args, monkeypatch, 10)
+    assert dispatch.dense_kernel(cuda_args, DenseConfig()) == "triton"
+    assert dispatch.dense_kernel(cuda_args, DenseConfig(impl="fa4")) == "fa4"
+
+
+def test_quantize_q_stays_in_range():
+    _, args = _fp8_args(7, [(40, 9), (17, 17)])
+    q8, scale = attention_fa4.quantize_q(args)
+    assert q8.dtype == FP8 and scale.dtype == torch.float32 and scale.ndim == 0
+    back = q8.float() * scale
+    assert torch.isfinite(back).all()
+    assert float(q8.float().abs().max()) <= attention_fa4.E4M3_MAX
+    # e4m3 keeps 3 mantissa bits: within 1/16 of each value, plus the smallest step near 0.
+    err = (back - args.q.float()).abs()
+    assert bool((err <= args.q.float().abs() / 16 + scale * 2**-9).all())
+    _, given = _fp8_args(7, [(40, 9)], q_dtype=FP8)
+    q8, scale = attention_fa4.quantize_q(given)
+    assert q8 is given.q and float(scale) == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8], ids=["bf16_q", "fp8_q"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_fp8_plumbing_against_the_contract(monkeypatch, q_dtype, causal):
+    seqs = [(37, 5), (21, 21), (23, 1), (0, 2), (3, 7), (130, 2)]
+    batch, args = _fp8_args(12, seqs, q_dtype=q_dtype, causal=causal)
+    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: lambda q_, k_, v_, **kw: (*_contract_fa4(q_, k_, v_, **kw), None))
+    out, lse = attention_fa4.run_dense_fa4(args)
+    assert out.dtype == torch.bfloat16
+    # The oracle on the values flash-attn-4 is given: q as quantized here, K / V dequantized.
+    q8, q_scale = attention_fa4.quantize_q(args)
+    k, v = args.k_cache.float() * K_SCALE, args.v_cache.float() * V_SCALE
+    ref_o, ref_lse = dense_attention_ref(q8.float() * q_scale, k, v, batch.block_tables, batch.cu_seqlens_q,
+                                         batch.used_kv_lens, SCALE, causal)
+    assert_close("out vs oracle", ref_o, out, TOLERANCES[torch.bfloat16])
     assert_close("lse vs oracle", ref_lse, lse, TOLERANCES[torch.float32])
 
 
@@ -313,3 +420,30 @@ def test_fa4_in_a_cuda_graph_follows_a_decode_step():
     )
     assert_close("out vs oracle", ref_o, out.cpu(), TOLERANCES[torch.bfloat16])
     assert_close("lse vs oracle", ref_lse, lse.cpu(), TOLERANCES[torch.float32])
+
+
+@pytest.mark.gpu
+def test_fp8_path_compiles_for_sm100(tmp_path):
+    """flash-attn-4's fp8 forward for this package's fp8-cache calls, compiled for sm_100a
+    (Blackwell) without running it (no sm_100 GPU here): the PTX targets sm_100a and runs its
+    QK and PV products on fp8 tensor cores."""
+    if attention_fa4.fp8_function() is None:
+        pytest.skip("flash-attn-4 is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(
+        os.environ, CUTE_DSL_ARCH="sm_100a", FLASH_ATTENTION_ARCH="sm_100", FLASH_ATTENTION_NUM_SMS="148",
+        CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_NO_CACHE="1",
+        PYTHONPATH=os.pathsep.join([str(root / "torch-ext"), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run([sys.executable, str(root / "tests" / "scripts" / "fa4_compile_sm100.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {
+        "prefill_bf16_q": {"out": [[8192, 64, 128], "torch.bfloat16"], "lse": [64, 8192]},
+        "decode_fp8_q": {"out": [[8, 64, 128], "torch.bfloat16"], "lse": [64, 8]},
+    }
+    ptx = [p.read_text(errors="replace") for p in tmp_path.rglob("*.ptx")]
+    assert ptx, f"no PTX written under {tmp_path}: {sorted(map(str, tmp_path.rglob('*')))[:10]}"
+    assert all(".target sm_100a" in text for text in ptx)
+    assert all("kind::f8f6f4" in text for text in ptx)

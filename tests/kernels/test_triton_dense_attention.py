@@ -37,6 +37,7 @@ from m3_sparse.reference import dense_attention_ref  # noqa: E402
 tda = kernel_module("m3_sparse.dense.attention_triton")
 
 
+from m3_sparse.core.validate import attention_args  # noqa: E402
 from m3_sparse.dense import plan as dplan  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -205,6 +206,31 @@ def test_default_splits_follow_the_shapes():
     assert dplan.default_num_splits(1, 1, 1, 1, 16, cpu) == 1
 
 
+def test_default_block_n_follows_the_tile():
+    # Decode-sized tiles take 128 keys where a page holds whole 128-key tiles; prefill tiles,
+    # fp32 queries and other page sizes keep BLOCK_N.
+    bf, f32 = torch.bfloat16, torch.float32
+    assert dplan.default_block_n(16, 128, bf) == dplan.BLOCK_N_DECODE == 128
+    assert dplan.default_block_n(64, 256, bf) == 128
+    assert dplan.default_block_n(128, 128, bf) == dplan.BLOCK_N
+    assert dplan.default_block_n(16, 64, bf) == dplan.BLOCK_N
+    assert dplan.default_block_n(16, 128, f32) == dplan.BLOCK_N
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 1), (8, 2)], ids=["group16", "group4"])
+def test_decode_at_page_128(hq, hkv):
+    # The default plan of decode rows at page 128 streams 128-key tiles (several pages of
+    # keys, ragged lengths, an empty sequence, -1 table padding): checked against the oracle.
+    seqs = [(1, 1), (128, 1), (129, 1), (300, 1), (0, 1), (257, 1)]
+    batch, q, k, v = _problem(hq * 10 + hkv, seqs, 128, hq, hkv, 16, torch.bfloat16)
+    args = attention_args(q, k, v, batch.block_tables, cu_seqlens_q=batch.cu_seqlens_q,
+                          used_kv_lens=batch.used_kv_lens, softmax_scale=SCALE, causal=True, return_lse=True,
+                          sparse=False, max_seqlen_q=1)
+    assert dplan.plan(args).bn == 128
+    out, lse = _run(batch, q, k, v, True, max_seqlen_q=1)
+    _check(batch, q, k, v, True, torch.bfloat16, out, lse)
+
+
 def test_bad_num_splits():
     batch, q, k, v = _problem(1, [(9, 2)], 16, 4, 2, 16, torch.float32)
     for bad in (0, 65):
@@ -213,11 +239,12 @@ def test_bad_num_splits():
 
 
 @pytest.mark.gpu  # M3 decode sizes
-def test_m3_decode_key_splits_agree():
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_m3_decode_key_splits_agree(page_size):
     # Batch 8 of one token over 8K contexts at M3's heads: the default split count (several
-    # on a GPU), one split, and the torch code agree.
+    # on a GPU; 128-key tiles at page 128), one split, and the torch code agree.
     seqs = [(8192 - 300 * i, 1) for i in range(8)]
-    batch, q, k, v = _problem(99, seqs, 64, 64, 4, 128, torch.bfloat16)
+    batch, q, k, v = _problem(99, seqs, page_size, 64, 4, 128, torch.bfloat16)
     kw = dict(max_seqlen_q=1)
     split = dplan.default_num_splits(8, 8, 4, 1, batch.capacity, DEVICE)
     assert split > 1

@@ -19,6 +19,11 @@ from ..core.launch import MAX_SPLITS, next_pow2, num_sms
 BLOCK_M = 128
 BLOCK_M_FP32 = 64
 BLOCK_N = 64
+# Decode-sized tiles (a few tokens' heads) stream twice the keys per step where a page holds
+# whole 128-key tiles: the loop over a long context is memory-bound, and its fixed cost per
+# tile is what BLOCK_N amortizes (the H200 sweep of docs/PERF.md, "Dense paged attention").
+BLOCK_N_DECODE = 128
+DECODE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,15 @@ def default_block_m(q_dtype: torch.dtype) -> int:
     return BLOCK_M_FP32 if q_dtype == torch.float32 else BLOCK_M
 
 
+def default_block_n(rows: int, page_size: int, q_dtype: torch.dtype) -> int:
+    """Keys per tile: BLOCK_N_DECODE for a tile of at most DECODE_ROWS rows when a page holds
+    whole tiles of it (so the TMA path keeps one box per tile) and q is not fp32 (whose FMA
+    dot already spills at 64 keys), else BLOCK_N."""
+    if rows <= DECODE_ROWS and page_size % BLOCK_N_DECODE == 0 and q_dtype != torch.float32:
+        return BLOCK_N_DECODE
+    return BLOCK_N
+
+
 def tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
     """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
     and at least 16 rows (the smallest MMA M)."""
@@ -108,12 +122,12 @@ def shape_reason(args: AttnArgs) -> str | None:
 
 def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
     """The tiling of ``args`` (pure: shapes, dtypes and the SM count)."""
-    bn = BLOCK_N if cfg.block_n is None else int(cfg.block_n)
-    if bn < 16 or bn & (bn - 1):
-        raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
     gp = next_pow2(args.group)
     block_m = default_block_m(args.q.dtype) if cfg.block_m is None else int(cfg.block_m)
     tm = tile_tokens(gp, args.rows_per_seq, block_m)
+    bn = default_block_n(tm * gp, args.page_size, args.q.dtype) if cfg.block_n is None else int(cfg.block_n)
+    if bn < 16 or bn & (bn - 1):
+        raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
     num_splits = cfg.num_splits
