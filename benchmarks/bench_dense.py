@@ -14,7 +14,8 @@ gets. Prefill: one causal sequence of N tokens. Decode: batch 32, one new token 
 context C. Floors: FLOPs / 700 TFLOP/s (prefill, causal FLOPs
 2 * 2 * D * Hq * N^2 / 2) and K/V bytes / 4.2 TB/s (decode). Times are medians
 (triton.testing.do_bench; one warm-up and 3 event timings above 100 ms). Each
-configuration is checked against SDPA in fp32 on sampled rows. Result rows go to
+configuration is checked against SDPA in fp32 on sampled rows. ``--splits`` and ``--block-n``
+time the decode rows' Triton kernel at other key splits and key tiles. Result rows go to
 ``<out>/bench_dense.json``; the last thing printed is a markdown table.
 """
 
@@ -85,7 +86,7 @@ def check(p, out) -> float:
     return (num / den) ** 0.5
 
 
-def run(kind, batch, q_len, ctx, page, torch_max, splits=()):
+def run(kind, batch, q_len, ctx, page, torch_max, splits=(), block_ns=()):
     p = problem(batch, q_len, ctx, page)
     flops = 4 * D * HQ * (q_len * ctx - q_len * (q_len - 1) / 2) * batch
     kv_bytes = 2 * batch * ctx * HKV * D * 2
@@ -103,6 +104,7 @@ def run(kind, batch, q_len, ctx, page, torch_max, splits=()):
                 # The same kernel with gathered pointer loads instead of one TMA box per key tile.
                 ("gather", DenseConfig(impl="triton", use_tma=False))]
     variants += [(f"split{s}", DenseConfig(impl="triton", num_splits=s)) for s in splits]
+    variants += [(f"bn{n}", DenseConfig(impl="triton", block_n=n)) for n in block_ns]
     try:  # pinned to flash-attn-4, the op says why it cannot run the call
         m3_sparse.dense_paged_attention_kernel(
             p["q"], p["k"], p["v"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], max_seqlen_q=q_len,
@@ -116,8 +118,8 @@ def run(kind, batch, q_len, ctx, page, torch_max, splits=()):
         fn = call(cfg)
         row[f"{name}_err"] = check(p, fn()[0])
         row[f"{name}_ms"] = timed(fn, slow)
-        if name.startswith("split"):
-            print(f"  {kind} {batch}x{ctx} splits={cfg.num_splits}: {row[f'{name}_ms']:.3f} ms "
+        if name.startswith(("split", "bn")):
+            print(f"  {kind} {batch}x{ctx} page {page} {name}: {row[f'{name}_ms']:.3f} ms "
                   f"(err {row[f'{name}_err']:.1e})", flush=True)
     row["splits"] = dense_plan.default_num_splits(batch * q_len, batch, HKV, tile_tokens(q_len),
                                                     p["bt"].shape[1] * page, p["q"].device)
@@ -153,6 +155,7 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--pages", default="64,128", help="page sizes of the pool (each case runs at each)")
     ap.add_argument("--splits", default="", help="key-split counts to time for the decode rows, e.g. 1,2,4,8,16")
+    ap.add_argument("--block-n", default="", help="keys per Triton tile to time for the decode rows, e.g. 64,128")
     ap.add_argument("--torch-max", type=float, default=2**31, help="largest q_len*ctx*batch for the torch code")
     args = ap.parse_args()
     if SMOKE:
@@ -160,8 +163,8 @@ def main():
     results = common.Results("bench_dense", args.out)
     pages = common.int_list(args.pages)
     rows = [run("prefill", 1, n, n, pg, args.torch_max) for n in common.int_list(args.prefill) for pg in pages]
-    splits = common.int_list(args.splits)
-    rows += [run("decode", args.decode_batch, 1, c, pg, args.torch_max, splits)
+    splits, block_ns = common.int_list(args.splits), common.int_list(args.block_n)
+    rows += [run("decode", args.decode_batch, 1, c, pg, args.torch_max, splits, block_ns)
              for c in common.int_list(args.decode) for pg in pages]
     add_rows(results, rows)
     results.write()
@@ -174,10 +177,12 @@ def main():
           f"{f(r['triton_ms'])} ({r['splits']})", f(r["gather_ms"]), f(r.get("torch_ms")), f(r.get("cudnn_ms")),
           f(r.get("flash_ms")), r["auto"], f"{r['fa4_err']:.1e}" if "fa4_err" in r else "-",
           f"{r['triton_err']:.1e}"] for r in rows]))
-    if splits:
+    extra = [f"split{s}" for s in splits] + [f"bn{n}" for n in block_ns]
+    if extra:
         print()
-        print(common.md_table(["decode case", *(f"S={s} ms" for s in splits)],
-                              [[f"{r['batch']}x{r['ctx']} page {r['page']}", *(f(r.get(f"split{s}_ms")) for s in splits)]
+        print(common.md_table(["decode case", "default ms", *(f"{e} ms" for e in extra), "cuDNN ms"],
+                              [[f"{r['batch']}x{r['ctx']} page {r['page']}", f(r["triton_ms"]),
+                                *(f(r.get(f"{e}_ms")) for e in extra), f(r.get("cudnn_ms"))]
                                for r in rows if r["kind"] == "decode"]))
 
 
