@@ -240,15 +240,36 @@ def figures(served: list[Served], start: float) -> dict:
     }
 
 
-def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> list[int]:
-    """Indices of the requests whose tokens differ from their own single-request generate()."""
-    bad = []
+def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> tuple[list[int], list[dict]]:
+    """Indices of the requests whose tokens differ from their own single-request generate(),
+    and where each first differs (``divergence``)."""
+    bad, where = [], []
     for i, (prompt, s) in enumerate(zip(prompts, served)):
         ids = torch.tensor([prompt], device=model.device)
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config(new_tokens))
-        if s.tokens != ref[0, len(prompt):].tolist():
+        ref = ref[0, len(prompt):].tolist()
+        if s.tokens != ref:
             bad.append(i)
-    return bad
+            where.append(dict(request=i, **divergence(model, prompt, s.tokens, ref)))
+    return bad, where
+
+
+def divergence(model, prompt: list[int], got: list[int], ref: list[int]) -> dict:
+    """Where ``got`` first leaves ``ref`` (the request's own generate()), and how close the two
+    tokens were there in generate()'s logits: ``margin`` (its token's logit less the served
+    token's, >= 0), ``relative`` (over the largest logit's magnitude) and ``rank`` (the served
+    token's place in generate()'s order, 1 = its choice). A near tie (rank 2, a margin within the
+    dtype's rounding) points at two summation orders; a large margin at a fault."""
+    step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    if step >= min(len(got), len(ref)):
+        return {"step": step, "margin": None, "relative": None, "rank": None}
+    ids = torch.tensor([prompt + ref[:step]], device=model.device)
+    cfg = gen_config(1)
+    cfg.output_logits, cfg.return_dict_in_generate = True, True
+    logits = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg).logits[0][0].float()
+    margin = float(logits[ref[step]] - logits[got[step]])
+    rank = int((logits > logits[got[step]]).sum()) + 1
+    return {"step": step, "margin": margin, "relative": margin / max(float(logits.abs().max()), 1e-30), "rank": rank}
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,6 +286,7 @@ class Run:
     peak_gib: float | None = None
     attn: str | None = None  # the attention the manager ran
     mismatched: list[int] = field(default_factory=list)
+    divergences: list[dict] = field(default_factory=list)  # check_tokens: where each mismatch starts
     speedup: dict = field(default_factory=dict)
 
     @property
@@ -301,9 +323,12 @@ def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done)
             run.figures = figures(served, start)
             run.status = "ok"
             if args.check:
-                run.mismatched = check_tokens(model, prompts, served, args.new_tokens)
+                run.mismatched, run.divergences = check_tokens(model, prompts, served, args.new_tokens)
                 if run.mismatched:
-                    run.status, run.note = "mismatch", f"requests {run.mismatched} differ from their own generate()"
+                    first = ", ".join(f"r{d['request']} at {d['step']} (rank {d['rank']}, margin {common.fmt(d['margin'], 3)})"
+                                      for d in run.divergences[:4])
+                    run.status, run.note = "mismatch", (f"requests {run.mismatched} differ from their own generate(); "
+                                                        f"first differences: {first}")
     except Exception as exc:  # noqa: BLE001 - one failing run must not end the benchmark
         run.status = "OOM" if bg.is_oom(exc) else "error"
         run.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -403,7 +428,7 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
                     baseline_ms=ref["ttft_p50_ms"] if ref else None, config=r.config,
                     attn=r.attn, status=r.status,
                     note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=args.check,
-                    mismatched=r.mismatched, **r.figures)
+                    mismatched=r.mismatched, divergences=r.divergences, **r.figures)
     results.write()
     if final:
         log.write(args.out / "bench_serve.log")

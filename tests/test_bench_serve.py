@@ -53,3 +53,43 @@ def test_quick_run_on_cuda(tmp_path):
     rows = quick_run(tmp_path, "--device", "cuda", "--dtype", "float32")
     assert [r["metrics"]["status"] for r in rows] == ["ok"] * 4
     assert all(r["metrics"]["peak_gib"] > 0 and r["metrics"]["mismatched"] == [] for r in rows)
+
+
+DIVERGENCE = """
+import json, sys
+import torch
+import bench_serve
+from transformers import AutoModelForCausalLM
+from model_utils import random_prompt, save_tiny_text_model
+
+save_tiny_text_model(sys.argv[1], seed=0)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="m3_sparse").eval()
+prompt = random_prompt(40, torch.Generator().manual_seed(2)).tolist()
+cfg = bench_serve.gen_config(5)
+cfg.output_logits, cfg.return_dict_in_generate = True, True
+out = model.generate(torch.tensor([prompt]), generation_config=cfg)
+ref = out.sequences[0, len(prompt):].tolist()
+step2 = out.logits[2][0].float()
+runner_up = int(step2.argsort(descending=True)[1])
+got = ref[:2] + [runner_up] + ref[3:]
+print(json.dumps({"same": bench_serve.divergence(model, prompt, ref, ref),
+                  "diff": bench_serve.divergence(model, prompt, got, ref),
+                  "margin": float(step2[ref[2]] - step2[runner_up]), "top": float(step2.abs().max())}))
+"""
+
+
+def test_divergence_names_the_step_rank_and_margin(tmp_path):
+    """The token check's report of a mismatch: the first differing step, the served token's rank
+    in generate()'s logits there and the margin to generate()'s token (fp32, CPU)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", DIVERGENCE, str(tmp_path / "ckpt")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["same"] == {"step": 5, "margin": None, "relative": None, "rank": None}
+    diff = got["diff"]
+    assert diff["step"] == 2 and diff["rank"] == 2 and diff["margin"] > 0
+    assert diff["margin"] == pytest.approx(got["margin"], rel=1e-3, abs=1e-5)
+    assert diff["relative"] == pytest.approx(got["margin"] / got["top"], rel=1e-3, abs=1e-6)

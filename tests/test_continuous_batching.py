@@ -176,6 +176,18 @@ def test_requests_wait_for_pages(model, steps):
     assert 160 - CB_BLOCK < max(held) <= 160 < sum(len(p) + NEW_TOKENS + 1 for p in batch)
 
 
+def test_request_larger_than_the_pool_is_refused(model):
+    # 4 blocks of 16 = 64 token slots: the 100-token prompt can never fit. transformers'
+    # scheduler fails that request with an error; the one that fits is served as alone.
+    big, small = prompts([100, 20], seed=5)
+    out = model.generate_batch(
+        [big, small], generation_config=gen_config(), continuous_batching_config=cb_config(4), warmup=False
+    )
+    first, second = (out[k] for k in sorted(out))  # req_0, req_1: the order they were given
+    assert first.error and "No requests can be scheduled" in first.error and first.generated_tokens == []
+    assert second.error is None and second.generated_tokens == reference(model, small)
+
+
 def test_multimodal_model_given_text(tmp_path):
     torch.manual_seed(0)
     vl = MiniMaxM3SparseForConditionalGeneration(vl_config()).eval()
