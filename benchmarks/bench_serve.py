@@ -325,8 +325,9 @@ def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done)
             if args.check:
                 run.mismatched, run.divergences = check_tokens(model, prompts, served, args.new_tokens)
                 if run.mismatched:
-                    first = ", ".join(f"r{d['request']} at {d['step']} (rank {d['rank']}, margin {common.fmt(d['margin'], 3)})"
-                                      for d in run.divergences[:4])
+                    first = ", ".join(
+                        f"r{d['request']} at {d['step']} (rank {d['rank']}, margin {common.fmt(d['margin'], 3)})"
+                        for d in run.divergences[:4])
                     run.status, run.note = "mismatch", (f"requests {run.mismatched} differ from their own generate(); "
                                                         f"first differences: {first}")
     except Exception as exc:  # noqa: BLE001 - one failing run must not end the benchmark

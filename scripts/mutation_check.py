@@ -137,6 +137,24 @@ MUTATIONS = (
         what="the KV-outer partials kernel's softmax scale 10% too large",
     ),  # fmt: skip
     Mutation(
+        name="fa4_fp8_descales_swapped", path="dense/attention_fa4.py",
+        old="for s in (q_scale, args.scales[1], args.scales[2])", new="for s in (q_scale, args.scales[2], args.scales[1])",
+        tests=(K + "test_fa4_dense.py::test_fp8_plumbing_against_the_contract",),
+        what="flash-attn-4's fp8 call gets V's scale for K and K's for V",
+    ),  # fmt: skip
+    Mutation(
+        name="fa4_rows_before_first_key_kept", path="dense/attention_fa4.py",
+        old="dead |= (pos < 0)[None, :]", new="dead |= (pos < -1)[None, :]",
+        tests=(K + "test_fa4_dense.py::test_plumbing_against_the_measured_contract",),
+        what="without the causal mask, the rows before a sequence's first key keep what flash-attn-4 gives them",
+    ),  # fmt: skip
+    Mutation(
+        name="page_tail_keeps_first_free_slot", path="dense/tails_triton.py",
+        old="keep = (offs_s[:, None] >= tail)", new="keep = (offs_s[:, None] > tail)",
+        tests=(K + "test_fa4_dense.py::test_clear_page_tails_matches_torch",),
+        what="the page-tail kernel leaves the first slot past a sequence's length unzeroed",
+    ),  # fmt: skip
+    Mutation(
         name="index_tie_to_higher_id", path="index/topk_triton.py",
         old="(cand > worst_val)[:, None]", new="(cand >= worst_val)[:, None]",
         tests=(K + "test_triton_index_topk.py::test_exact_ties_prefer_lower_block_ids",),

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def quick_run(out: Path, *extra: str) -> list[dict]:
     """The script's --quick run (token check included): its JSON rows."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)  # the CPU dispatch runs the torch code: no kernels to interpret
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick", "--out", str(out),
                            *extra], env=env, capture_output=True, text=True, timeout=600)

@@ -74,7 +74,8 @@ def test_a_mutation_whose_text_is_gone_stops_the_check():
 
 def test_every_named_test_exists():
     tests = sorted({t for m in mc.MUTATIONS for t in m.tests})
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", *tests],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

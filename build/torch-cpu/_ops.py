@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_90e8fb9550"
+NAMESPACE = "_m3_sparse_cpu_ad6d36065b"
 
 ops = getattr(torch.ops, NAMESPACE)
 

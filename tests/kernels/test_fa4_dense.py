@@ -323,7 +323,10 @@ def test_quantize_q_stays_in_range():
 def test_fp8_plumbing_against_the_contract(monkeypatch, q_dtype, causal):
     seqs = [(37, 5), (21, 21), (23, 1), (0, 2), (3, 7), (130, 2)]
     batch, args = _fp8_args(12, seqs, q_dtype=q_dtype, causal=causal)
-    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: lambda q_, k_, v_, **kw: (*_contract_fa4(q_, k_, v_, **kw), None))
+    def fake(q_, k_, v_, **kw):  # _flash_attn_fwd returns (out, lse, and more)
+        return (*_contract_fa4(q_, k_, v_, **kw), None)
+
+    monkeypatch.setattr(attention_fa4, "fp8_function", lambda: fake)
     out, lse = attention_fa4.run_dense_fa4(args)
     assert out.dtype == torch.bfloat16
     # The oracle on the values flash-attn-4 is given: q as quantized here, K / V dequantized.

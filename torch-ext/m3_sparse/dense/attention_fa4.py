@@ -87,7 +87,10 @@ def unsupported_reason(args: AttnArgs) -> str | None:
         return f"flash-attn-4 runs here on sm_90 and sm_100, this GPU is sm_{major}{minor}"
     if args.kv_fp8:
         if major not in FP8_ARCHS:
-            return f"flash-attn-4's fp8 kernels run on sm_100 only, this GPU is sm_{major}{minor} (fp8 caches run the Triton kernel)"
+            return (
+                f"flash-attn-4's fp8 kernels run on sm_100 only, this GPU is sm_{major}{minor} "
+                "(fp8 caches run the Triton kernel)"
+            )
         if q.dtype not in DTYPES + (FP8,):
             return f"flash-attn-4 takes fp8 caches with a bfloat16, float16 or float8_e4m3fn q, got q {q.dtype}"
         if args.out_dtype != torch.bfloat16:
