@@ -35,6 +35,10 @@ over the run, weights and the manager's cache included). On CUDA a short warm-up
 requests of the shortest length) comes before each configuration's runs (Triton compiles,
 cuDNN plans).
 
+Steps: every run also records each step of the manager's loop (``step_log``): the query
+tokens it scheduled, whether it took the decode fast path, and the host time of scheduling,
+launching and updating; the JSON row holds their totals (``steps``) and the log a line.
+
 Check: with ``--check`` (on in ``--quick``) every request's tokens are compared with its
 own single-request ``generate()`` on the same model (``m3_sparse`` for the sparse model, the
 twin's attention for the dense one); a mismatch is reported and the script exits 1.
@@ -68,6 +72,7 @@ import bench_generate as bg  # noqa: E402  (models, environment, flags)
 import transformers  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor  # noqa: E402
 from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
 tqdm = bg.tqdm
@@ -221,6 +226,66 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
     return [done[f"r{i}"] for i in range(len(prompts))], start, attn
 
 
+STEP_METHODS = ("prepare_next_batch", "_generation_step", "update_batch")
+
+
+def _host_io(processor):
+    """The batch processor's host-side inputs of the step being prepared (sync or async IOs)."""
+    io = processor.inputs_and_outputs
+    pairs = getattr(io, "io_pairs", None)
+    return pairs[io.current_pair].host_io if pairs is not None else io
+
+
+@contextlib.contextmanager
+def step_log():
+    """Yields a list that fills with one dict per step of the manager's loop while the block
+    runs: transformers' ``ContinuousBatchProcessor`` methods wrapped (restored on exit) to
+    take the step's query tokens as scheduled (padded where the manager pads for its graphs),
+    requests and decode fast path, and the host ms of each method: ``prepare_next_batch``
+    (scheduling, input tensors), ``_generation_step`` (the forward launched, or a graph
+    replayed) and ``update_batch`` (the tokens read back, requests updated; in async mode it
+    waits for the step before)."""
+    rows: list[dict] = []
+    originals = {name: getattr(ContinuousBatchProcessor, name) for name in STEP_METHODS}
+
+    def wrap(name):
+        fn = originals[name]
+
+        def timed(processor, *args, **kwargs):
+            start = time.perf_counter()
+            out = fn(processor, *args, **kwargs)
+            ms = (time.perf_counter() - start) * 1e3
+            if name == "prepare_next_batch":
+                if out:
+                    io = _host_io(processor)
+                    rows.append({"q_tokens": int(io.num_q_tokens), "requests": int(io.num_request_in_batch),
+                                 "decode_fast_path": bool(io.use_block_table), "prepare_ms": ms})
+            elif rows:
+                rows[-1][f"{name.strip('_')}_ms"] = ms
+            return out
+
+        return timed
+
+    for name in STEP_METHODS:
+        setattr(ContinuousBatchProcessor, name, wrap(name))
+    try:
+        yield rows
+    finally:
+        for name, fn in originals.items():
+            setattr(ContinuousBatchProcessor, name, fn)
+
+
+def step_summary(rows: list[dict]) -> dict:
+    """Totals of a run's steps: how many (and how many on the decode fast path), query
+    tokens, mean query tokens of the other (prefill or mixed) steps, host ms per method."""
+    mixed = [r for r in rows if not r["decode_fast_path"]]
+    out = {"steps": len(rows), "decode_steps": len(rows) - len(mixed), "q_tokens": sum(r["q_tokens"] for r in rows),
+           "mixed_q_tokens_mean": sum(r["q_tokens"] for r in mixed) / len(mixed) if mixed else None}
+    for key in ("prepare_ms", "generation_step_ms", "update_batch_ms"):
+        out[key] = sum(r.get(key, 0.0) for r in rows)
+    return out
+
+
 def pct(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
@@ -286,6 +351,7 @@ class Run:
     peak_gib: float | None = None
     attn: str | None = None  # the attention the manager ran
     mismatched: list[int] = field(default_factory=list)
+    steps: dict = field(default_factory=dict)  # step_summary of the run
     divergences: list[dict] = field(default_factory=list)  # check_tokens: where each mismatch starts
     speedup: dict = field(default_factory=dict)
 
@@ -312,7 +378,9 @@ def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done)
         torch.cuda.reset_peak_memory_stats(args.device)
     try:
         with attention_context(name, args.device), torch.no_grad():
-            served, start, run.attn = serve(model, prompts, args, rate, on_done)
+            with step_log() as steps:
+                served, start, run.attn = serve(model, prompts, args, rate, on_done)
+            run.steps = step_summary(steps)
             sync(args.device)
             run.peak_gib = torch.cuda.max_memory_allocated(args.device) / GIB if args.device.type == "cuda" else None
             errors = [f"r{i}: {s.error}" for i, s in enumerate(served) if s.error]
@@ -418,7 +486,8 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
     (args.out / "bench_serve.md").write_text("\n".join(md) + "\n")
     results = common.Results("bench_serve", args.out)
     results.env = env
-    sizes = {"requests": args.requests, "prompt_lens": list(args.lens), "new_tokens": args.new_tokens,
+    sizes = {"requests": args.requests, "prompt_lens": list(args.lens), "prompt_tokens": sum(map(len, prompts)),
+             "new_tokens": args.new_tokens,
              "block_size": args.block_size, "hidden": args.hidden, "vocab": args.vocab}
     base = {(r.layers, r.rate): r.figures for r in runs if r.config == "dense" and r.status == "ok"}
     for r in runs:
@@ -429,7 +498,7 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
                     baseline_ms=ref["ttft_p50_ms"] if ref else None, config=r.config,
                     attn=r.attn, status=r.status,
                     note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=args.check,
-                    mismatched=r.mismatched, divergences=r.divergences, **r.figures)
+                    mismatched=r.mismatched, divergences=r.divergences, steps=r.steps, **r.figures)
     results.write()
     if final:
         log.write(args.out / "bench_serve.log")
@@ -476,6 +545,11 @@ def log_run(run: Run) -> None:
     log(f"{run.layers} {run.config} {run.label}: {run.status}{note}, tok/s {fmt(f.get('tok_s'), 1)}, "
         f"TTFT p50/p99 {fmt(f.get('ttft_p50_ms'), 1)}/{fmt(f.get('ttft_p99_ms'), 1)} ms, "
         f"ITL p50/p99 {fmt(f.get('itl_p50_ms'), 2)}/{fmt(f.get('itl_p99_ms'), 2)} ms, peak {fmt(run.peak_gib, 1)} GiB")
+    st = run.steps
+    if st:
+        log(f"  steps {st['steps']} ({st['decode_steps']} on the decode fast path), {st['q_tokens']} query tokens "
+            f"({fmt(st['mixed_q_tokens_mean'], 0)} a step off the fast path); host ms: prepare {fmt(st['prepare_ms'], 0)}, "
+            f"step {fmt(st['generation_step_ms'], 0)}, update {fmt(st['update_batch_ms'], 0)}")
 
 
 def main(argv=None) -> int:

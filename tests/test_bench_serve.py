@@ -37,6 +37,14 @@ def test_quick_run_serves_and_checks_tokens(tmp_path):
         assert m["output_tokens"] == r["sizes"]["requests"] * r["sizes"]["new_tokens"]
         assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["itl_p50_ms"] <= m["itl_p99_ms"]
         assert m["tok_s"] > 0 and r["ms"] == m["ttft_p50_ms"]
+        # Every prompt token is prefilled once and every new token but the last is fed back:
+        # the steps' query tokens add up to that (no padding on the CPU).
+        steps, sizes = m["steps"], r["sizes"]
+        assert steps["q_tokens"] == sizes["prompt_tokens"] + sizes["requests"] * (sizes["new_tokens"] - 1), steps
+        # A request takes one step per new token; prefill chunks put more than one token in a step.
+        assert steps["steps"] >= sizes["new_tokens"] and 0 <= steps["decode_steps"] < steps["steps"]
+        assert steps["mixed_q_tokens_mean"] > 1
+        assert min(steps[k] for k in ("prepare_ms", "generation_step_ms", "update_batch_ms")) > 0
     assert [r["metrics"]["attn"] for r in rows] == ["paged|m3_sparse"] * 2 + ["paged|sdpa"] * 2
     sparse = [r for r in rows if r["metrics"]["config"] == "m3_sparse"]
     assert all(r["baseline_ms"] > 0 for r in sparse)
