@@ -321,8 +321,8 @@ def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> tuple
 
 def divergence(model, prompt: list[int], got: list[int], ref: list[int]) -> dict:
     """Where ``got`` first leaves ``ref`` (the request's own generate()), and how close the two
-    tokens were there in generate()'s logits: ``margin`` (its token's logit less the served
-    token's, >= 0), ``relative`` (over the largest logit's magnitude) and ``rank`` (the served
+    tokens were there in generate()'s logits, recomputed for the common prefix: ``margin`` (its
+    token's logit less the served token's; positive unless the recomputation flips it), ``relative`` (over the largest logit's magnitude) and ``rank`` (the served
     token's place in generate()'s order, 1 = its choice). A near tie (rank 2, a margin within the
     dtype's rounding) points at two summation orders; a large margin at a fault."""
     step = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_ad6d36065b"
+NAMESPACE = "_m3_sparse_cpu_994efcdeb6"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -72,6 +72,17 @@ def _args(batch, q, k, v, causal=True, device=DEVICE):
 
 
 # --------------------------------------------------------------------------- the choice
+def _as_cuda(args, monkeypatch, major):
+    """``args`` with q standing in for a CUDA tensor on an sm_{major}0 GPU (host facts only)."""
+    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (major, 0))
+    monkeypatch.setattr(attention_fa4, "device_index", lambda device: 0)
+    fake_q = type("Q", (), {})()
+    for name in ("dtype", "shape", "stride", "data_ptr", "element_size"):
+        setattr(fake_q, name, getattr(args.q, name))
+    fake_q.device = type("T", (), {"type": "cuda"})()
+    return args.replace(q=fake_q)
+
+
 def test_pinned_fa4_that_cannot_run_raises(monkeypatch):
     batch, q, k, v = _problem(1, [(20, 3)], 16, 8, 2, 32, torch.float32, garbage=1.0)
     call = dict(cu_seqlens_q=batch.cu_seqlens_q, used_kv_lens=batch.used_kv_lens)
@@ -101,26 +112,15 @@ def test_reasons_name_what_flash_attn_4_does_not_take(monkeypatch):
     batch, q, k, v = _problem(3, [(20, 3)], 16, 8, 2, 32, torch.bfloat16, garbage=1.0)
     args = _args(batch, q, k, v, device=torch.device("cpu"))
     assert "CUDA tensors" in attention_fa4.unsupported_reason(args)
-    # The device-independent rules, on a stand-in for a CUDA sm_90 call.
-    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (9, 0))
-    monkeypatch.setattr(attention_fa4, "device_index", lambda device: 0)
-    cuda_like = type("T", (), {"type": "cuda"})()
-    fake_q = type("Q", (), {})()
-    for name in ("dtype", "shape", "stride", "data_ptr", "element_size"):
-        setattr(fake_q, name, getattr(args.q, name))
-    fake_q.device = cuda_like
-    base = args.replace(q=fake_q)
+    # The device-independent rules, on stand-ins for CUDA calls.
     monkeypatch.setattr(attention_fa4, "varlen_function", lambda: None)
-    assert "not installed" in attention_fa4.unsupported_reason(base)
+    assert "not installed" in attention_fa4.unsupported_reason(_as_cuda(args, monkeypatch, 9))
     monkeypatch.setattr(attention_fa4, "varlen_function", lambda: object())
+    assert "sm_120" in attention_fa4.unsupported_reason(_as_cuda(args, monkeypatch, 12))
+    fp32 = args.replace(q=args.q.float(), k_cache=args.k_cache.float())
+    assert "bfloat16 or float16" in attention_fa4.unsupported_reason(_as_cuda(fp32, monkeypatch, 9))
+    base = _as_cuda(args, monkeypatch, 9)
     assert attention_fa4.unsupported_reason(base) is None
-    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (12, 0))
-    assert "sm_120" in attention_fa4.unsupported_reason(base)
-    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (9, 0))
-    fp32 = args.replace(k_cache=args.k_cache.float())
-    fake_q.dtype = torch.float32
-    assert "bfloat16 or float16" in attention_fa4.unsupported_reason(fp32.replace(q=fake_q))
-    fake_q.dtype = torch.bfloat16
     # A misaligned pool would be copied whole by flash-attn-4 on every call: refused.
     odd = torch.empty(args.k_cache.numel() + 1, dtype=args.k_cache.dtype)[1:].view(args.k_cache.shape)
     assert "16-byte aligned" in attention_fa4.unsupported_reason(base.replace(k_cache=odd))
@@ -262,17 +262,6 @@ def _fp8_args(seed, seqs, q_dtype=torch.bfloat16, causal=True, device=torch.devi
         causal=causal, return_lse=True, sparse=False, k_scale=K_SCALE, v_scale=V_SCALE, **q_scale, **kw,
     )
     return batch, args
-
-
-def _as_cuda(args, monkeypatch, major):
-    """``args`` with q standing in for a CUDA tensor on an sm_{major}0 GPU (host facts only)."""
-    monkeypatch.setattr(attention_fa4, "device_capability", lambda index: (major, 0))
-    monkeypatch.setattr(attention_fa4, "device_index", lambda device: 0)
-    fake_q = type("Q", (), {})()
-    for name in ("dtype", "shape", "stride", "data_ptr", "element_size"):
-        setattr(fake_q, name, getattr(args.q, name))
-    fake_q.device = type("T", (), {"type": "cuda"})()
-    return args.replace(q=fake_q)
 
 
 def test_fp8_reasons(monkeypatch):

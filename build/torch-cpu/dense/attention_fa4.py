@@ -40,13 +40,13 @@ import torch
 from ..core.args import FP8, AttnArgs
 from ..core.launch import device_capability, device_index
 from ..core.layout import token_positions
+from ..core.quant import E4M3_MAX
 
 DTYPES = (torch.bfloat16, torch.float16)
 # The compute-capability majors whose flash-attn-4 kernels this package runs: sm_90 (Hopper,
 # measured) and sm_100 (Blackwell, where it is the reference kernel); fp8 on sm_100 only.
 ARCHS = (9, 10)
 FP8_ARCHS = (10,)
-E4M3_MAX = 448.0
 INSTALL_HINT = 'pip install flash-attn-4, or this project with its fa4 extra: pip install -e ".[fa4]"'
 
 
@@ -114,8 +114,9 @@ def unsupported_reason(args: AttnArgs) -> str | None:
 def quantize_q(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """(q in e4m3, its dequantization scale, fp32 0-d): an fp8 q as given; else one scale
     that maps q's largest magnitude to e4m3's largest, on the device (no host read). The
-    scale is rounded to q's dtype before dividing, and the quotient clamped, so that no
-    value leaves e4m3's range."""
+    rule of ``core.quant.to_e4m3`` (saturated codes of ``q / scale``), but divided in q's
+    dtype by the scale rounded to it: ``to_e4m3`` would widen q to fp32 first, a copy twice
+    q's size at a long prefill."""
     if args.q_fp8:
         return args.q, args.scales[0]
     amax = args.q.abs().amax().float()
@@ -140,8 +141,7 @@ def forward(args: AttnArgs, tables, cu, used) -> tuple[torch.Tensor, torch.Tenso
     q_descale, k_descale, v_descale = (
         s.reshape(1, 1).expand(args.batch, args.hkv).contiguous() for s in (q_scale, args.scales[1], args.scales[2])
     )
-    out, lse = fp8_function()(q8, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, **kw)[:2]
-    return out, lse
+    return fp8_function()(q8, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, **kw)[:2]
 
 
 def run_dense_fa4(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:

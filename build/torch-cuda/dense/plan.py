@@ -21,7 +21,7 @@ BLOCK_M_FP32 = 64
 BLOCK_N = 64
 # Decode-sized tiles (a few tokens' heads) stream twice the keys per step where a page holds
 # whole 128-key tiles: the loop over a long context is memory-bound, and its fixed cost per
-# tile is what BLOCK_N amortizes (the H200 sweep of docs/PERF.md, "Dense paged attention").
+# tile is what BLOCK_N amortizes (measured on the H200: docs/PERF.md, "Dense paged attention").
 BLOCK_N_DECODE = 128
 DECODE_ROWS = 64
 
