@@ -83,13 +83,16 @@ runner_up = int(step2.argsort(descending=True)[1])
 got = ref[:2] + [runner_up] + ref[3:]
 print(json.dumps({"same": bench_serve.divergence(model, prompt, ref, ref),
                   "diff": bench_serve.divergence(model, prompt, got, ref),
+                  "gaps_ref": bench_serve.token_gaps(model, prompt, ref),
+                  "gaps_got": bench_serve.token_gaps(model, prompt, got),
                   "margin": float(step2[ref[2]] - step2[runner_up]), "top": float(step2.abs().max())}))
 """
 
 
 def test_divergence_names_the_step_rank_and_margin(tmp_path):
     """The token check's report of a mismatch: the first differing step, the served token's rank
-    in generate()'s logits there and the margin to generate()'s token (fp32, CPU)."""
+    in generate()'s logits there and the margin to generate()'s token; and the teacher-forced
+    gaps the bf16 check compares with its tolerance (fp32, CPU)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
@@ -102,3 +105,9 @@ def test_divergence_names_the_step_rank_and_margin(tmp_path):
     assert diff["step"] == 2 and diff["rank"] == 2 and diff["margin"] > 0
     assert diff["margin"] == pytest.approx(got["margin"], rel=1e-3, abs=1e-5)
     assert diff["relative"] == pytest.approx(got["margin"] / got["top"], rel=1e-3, abs=1e-6)
+    # The teacher-forced gaps of the bf16 check: generate()'s own tokens are each forward's
+    # choice; the planted runner-up sits its margin below the top at step 2 (and the tokens
+    # after it, fed a history generate() never saw, are whatever they are).
+    assert max(got["gaps_ref"]) < 1e-5
+    assert got["gaps_got"][:2] == pytest.approx([0.0, 0.0], abs=1e-5)
+    assert got["gaps_got"][2] == pytest.approx(got["margin"] / got["top"], rel=1e-3, abs=1e-6)

@@ -68,14 +68,15 @@ def model(checkpoint):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every step continuous batching ran: (new tokens per request, kv length per request)."""
+    """Every step continuous batching ran: (new tokens per request, kv length per request,
+    whether it came through the decode fast path's block table)."""
     seen = []
     build = serving.build_step
 
     def spy(cache, kwargs, num_tokens):
         step = build(cache, kwargs, num_tokens)
         cu = step.cu_seqlens_q[:-1].tolist()
-        seen.append(([b - a for a, b in zip(cu, cu[1:])], step.kv_lens[:-1].tolist()))
+        seen.append(([b - a for a, b in zip(cu, cu[1:])], step.kv_lens[:-1].tolist(), kwargs.get("block_table") is not None))
         return step
 
     monkeypatch.setattr(serving, "build_step", spy)
@@ -98,9 +99,12 @@ def test_mixed_lengths_equal_generate(model, steps):
     # What the comparison covered: a prompt over several chunks (a step with history and
     # several new tokens), steps mixing prefill chunks with decode rows, and histories
     # longer than the top-k keeps (the selection drops blocks).
-    chunked = any(q > 1 and kv > q for qs, kvs in steps for q, kv in zip(qs, kvs))
-    mixed = any(1 in qs and max(qs) > 1 for qs, _ in steps)
-    sparse = max(kv for _, kvs in steps for kv in kvs) > 2 * TOPK * BLOCK
+    chunked = any(q > 1 and kv > q for qs, kvs, _ in steps for q, kv in zip(qs, kvs))
+    mixed = any(1 in qs and max(qs) > 1 for qs, _, _ in steps)
+    sparse = max(kv for _, kvs, _ in steps for kv in kvs) > 2 * TOPK * BLOCK
+    # Decode-only steps come through transformers' decode fast path (block tables, no read index).
+    fast = [qs for qs, _, block_table in steps if block_table]
+    assert fast and all(set(qs) == {1} for qs in fast)
     assert chunked and mixed and sparse
 
 
@@ -140,7 +144,7 @@ def test_requests_join_mid_run(model, steps):
     for i, p in enumerate(later):
         assert results[f"later{i}"].generated_tokens == reference(model, p)
     # The later requests were prefilled beside the first one's decode rows.
-    assert any(1 in qs and max(qs) > 1 and len(qs) > 1 for qs, _ in steps)
+    assert any(1 in qs and max(qs) > 1 and len(qs) > 1 for qs, _, _ in steps)
 
 
 def test_prefix_cache_reuses_index_keys(model, steps):
@@ -163,7 +167,7 @@ def test_prefix_cache_reuses_index_keys(model, steps):
     finally:
         manager.stop(block=True, timeout=30)
     assert results == [reference(model, first), reference(model, second)]
-    (q,), (kv,) = steps[done]  # the second request's first step
+    (q,), (kv,), _ = steps[done]  # the second request's first step
     assert (kv - q, kv) == (len(prefix), len(second))  # the prefix: three whole blocks, reused
 
 
@@ -171,7 +175,7 @@ def test_requests_wait_for_pages(model, steps):
     # 10 blocks of 16 = 160 token slots: each request fits alone (<= 81 tokens), not all three at once.
     batch = prompts([70, 70, 45], seed=3)
     assert run_batch(model, batch, num_blocks=10) == [reference(model, p) for p in batch]
-    held = [sum(kvs) for _, kvs in steps]
+    held = [sum(kvs) for _, kvs, _ in steps]
     # The pool ran full (within a block) and never over; the three need 218 slots at once.
     assert 160 - CB_BLOCK < max(held) <= 160 < sum(len(p) + NEW_TOKENS + 1 for p in batch)
 
@@ -259,6 +263,24 @@ def history_slots(step, req, length):
     """The cache slots of request ``req``'s first ``length`` tokens, read through its page table."""
     pos = torch.arange(length)
     return step.block_tables[req, pos // step.page_size].long() * step.page_size + pos % step.page_size
+
+
+def test_config_keeps_the_decode_fast_path(model):
+    """paged|m3_sparse resolves like flash attention: the decode fast path stays on (the
+    block table is what build_step reads) and no mask is needed (CUDA graphs by default on
+    CUDA); explicit settings stay as given; other implementations resolve as before."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    resolve = continuous_api.resolve_continuous_batching_config
+    config = text_config()
+    config._attn_implementation = serving.CB_IMPLEMENTATION
+    resolved = resolve(config, ContinuousBatchingConfig(block_size=32), None, False)
+    assert resolved.max_blocks_per_request > 0
+    assert resolved.use_cuda_graph == (torch.cuda.is_available(),) * 2
+    explicit = resolve(config, ContinuousBatchingConfig(max_blocks_per_request=0, use_cuda_graph=False), None, False)
+    assert explicit.max_blocks_per_request == 0 and explicit.use_cuda_graph == (False, False)
+    config._attn_implementation = "paged|sdpa"
+    assert resolve(config, ContinuousBatchingConfig(block_size=32), None, False).max_blocks_per_request == 0
 
 
 def test_pool_sizing_counts_index_keys():

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_994efcdeb6"
+NAMESPACE = "_m3_sparse_cpu_f50034bbf5"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching import continuous_api as cb_api
+from transformers.generation.continuous_batching import initialization as cb_init
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -78,6 +80,10 @@ SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 
 _ORIGINAL_GROUP_LAYERS = getattr(
     cb_cache.group_layers_by_attn_type, "m3_sparse_original", cb_cache.group_layers_by_attn_type
+)
+
+_ORIGINAL_RESOLVE_CONFIG = getattr(
+    cb_api.resolve_continuous_batching_config, "m3_sparse_original", cb_api.resolve_continuous_batching_config
 )
 
 _ORIGINAL_MEMORY_HANDLER = getattr(
@@ -137,6 +143,40 @@ class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
 
 
 _MemoryHandler.m3_sparse_original = _ORIGINAL_MEMORY_HANDLER
+
+
+def _resolve_config(config, cb_config, workload_hints, has_logit_processors):
+    """``resolve_continuous_batching_config`` for ``paged|m3_sparse``: transformers' own steps
+    (``initialization.py``), told two facts its checks only know of flash attention:
+
+    * the decode fast path works: :func:`build_step` reads the manager's ``block_table``, so
+      ``max_blocks_per_request`` keeps its value (the user's, the workload hints' or the
+      fallback) instead of dropping to 0, which would make every decode step rebuild the read
+      index of all history tokens on the host;
+    * no attention mask is needed: CUDA graphs and asynchronous batching are on by default
+      on CUDA, and the varlen path is not compiled by default (host-side ``max_seqlen_*`` vary),
+      as for flash attention.
+
+    Explicit settings of ``ContinuousBatchingConfig`` are kept, as transformers keeps them."""
+    if not uses_paged_m3_sparse(config):
+        return _ORIGINAL_RESOLVE_CONFIG(config, cb_config, workload_hints, has_logit_processors)
+    cb_config = copy.deepcopy(cb_config)
+    graphs_requested = any([cb_config.q_padding_interval_size, cb_config.kv_padding_interval_size])
+    cb_init.resolve_using_hints(cb_config, workload_hints)
+    cb_init.resolve_without_hints(cb_config)
+    cb_init.resolve_compile_configs(
+        cb_config=cb_config,
+        fallback_compile_config=getattr(config, "compile_config", None),
+        is_flash_attn=True,
+        decode_fast_path_available=cb_config.max_blocks_per_request > 0,
+    )
+    cb_init.decide_use_cuda_graphs(cb_config=cb_config, is_attn_mask_needed=False, cuda_graph_requested=graphs_requested)
+    cb_init.decide_use_async_batching(cb_config=cb_config, is_attn_mask_needed=False)
+    cb_init.resolve_max_memory_percent(cb_config=cb_config, has_logit_processors=has_logit_processors)
+    return cb_config
+
+
+_resolve_config.m3_sparse_original = _ORIGINAL_RESOLVE_CONFIG
 
 
 def page_size_for(block_size: int) -> int:
@@ -396,11 +436,14 @@ _REGISTERED = False
 
 def register() -> None:
     """Register ``paged|m3_sparse`` with transformers; in its continuous-batching cache, group
-    M3's sparse layers as full attention and count their index keys in the sizing. Idempotent."""
+    M3's sparse layers as full attention and count their index keys in the sizing; resolve its
+    configuration with the decode fast path and without a mask (:func:`_resolve_config`).
+    Idempotent."""
     global _REGISTERED
     if _REGISTERED:
         return
     AttentionInterface.register(CB_IMPLEMENTATION, paged_m3_sparse_attention)
     cb_cache.group_layers_by_attn_type = _group_layers
     cb_cache.PagedAttentionMemoryHandler = _MemoryHandler
+    cb_api.resolve_continuous_batching_config = _resolve_config
     _REGISTERED = True
