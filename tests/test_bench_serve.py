@@ -16,12 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def quick_run(out: Path, *extra: str) -> list[dict]:
-    """The script's --quick run (token check included): its JSON rows."""
+def quick_run(out: Path, *extra: str, quick: bool = True) -> list[dict]:
+    """The script's --quick run (token check included), or with ``quick=False`` a run of the
+    arguments given: its JSON rows."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)  # the CPU dispatch runs the torch code: no kernels to interpret
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick", "--out", str(out),
+    flags = ["--quick"] if quick else []
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), *flags, "--out", str(out),
                            *extra], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "bench_serve.json").read_text())
@@ -62,6 +64,22 @@ def test_quick_run_on_cuda(tmp_path):
     rows = quick_run(tmp_path, "--device", "cuda", "--dtype", "float32")
     assert [r["metrics"]["status"] for r in rows] == ["ok"] * 4
     assert all(r["metrics"]["peak_gib"] > 0 and r["metrics"]["mismatched"] == [] for r in rows)
+
+
+@pytest.mark.gpu
+def test_m3_shapes_with_cuda_graphs(tmp_path):
+    """M3's attention shapes (64 query heads, 4 KV heads, 128-dim heads, index blocks of 128,
+    top-16) in bf16 under the manager's defaults, which for paged|m3_sparse capture CUDA graphs
+    and take the decode fast path: prompts over several 128-token blocks and prefill chunks,
+    every request within the bf16 tolerance of its own generate() (the script's check)."""
+    rows = quick_run(tmp_path, "--device", "cuda", "--layers", "sfs", "--configs", "m3_sparse", "--requests", "6",
+                     "--prompt-lens", "300-5000", "--new-tokens", "24", "--hidden", "256", "--vocab", "512",
+                     "--max-batch-tokens", "2048", "--rates", "0", "--warmup", "short", "--check", quick=False)
+    (row,) = rows
+    m = row["metrics"]
+    assert m["status"] == "ok" and m["failed"] == [] and m["check"]["tolerance"] > 0, m
+    assert m["steps"]["decode_steps"] > 0, m["steps"]  # the block-table path ran
+    assert m["output_tokens"] == 6 * 24
 
 
 DIVERGENCE = """

@@ -275,7 +275,8 @@ def test_config_keeps_the_decode_fast_path(model):
     config = text_config()
     config._attn_implementation = serving.CB_IMPLEMENTATION
     resolved = resolve(config, ContinuousBatchingConfig(block_size=32), None, False)
-    assert resolved.max_blocks_per_request > 0
+    # Wide enough for the longest request the model takes.
+    assert resolved.max_blocks_per_request * 32 >= config.max_position_embeddings
     assert resolved.use_cuda_graph == (torch.cuda.is_available(),) * 2
     explicit = resolve(config, ContinuousBatchingConfig(max_blocks_per_request=0, use_cuda_graph=False), None, False)
     assert explicit.max_blocks_per_request == 0 and explicit.use_cuda_graph == (False, False)

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_f50034bbf5"
+NAMESPACE = "_m3_sparse_cpu_3309bda00e"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -150,9 +150,9 @@ def _resolve_config(config, cb_config, workload_hints, has_logit_processors):
     (``initialization.py``), told two facts its checks only know of flash attention:
 
     * the decode fast path works: :func:`build_step` reads the manager's ``block_table``, so
-      ``max_blocks_per_request`` keeps its value (the user's, the workload hints' or the
-      fallback) instead of dropping to 0, which would make every decode step rebuild the read
-      index of all history tokens on the host;
+      ``max_blocks_per_request`` keeps its value (the user's, the workload hints', else enough
+      blocks for ``max_position_embeddings``) instead of dropping to 0, which would make every
+      decode step rebuild the read index of all history tokens on the host;
     * no attention mask is needed: CUDA graphs and asynchronous batching are on by default
       on CUDA, and the varlen path is not compiled by default (host-side ``max_seqlen_*`` vary),
       as for flash attention.
@@ -163,6 +163,13 @@ def _resolve_config(config, cb_config, workload_hints, has_logit_processors):
     cb_config = copy.deepcopy(cb_config)
     graphs_requested = any([cb_config.q_padding_interval_size, cb_config.kv_padding_interval_size])
     cb_init.resolve_using_hints(cb_config, workload_hints)
+    positions = getattr(config, "max_position_embeddings", None)
+    if cb_config.max_blocks_per_request is None and positions:
+        # Without hints (init_continuous_batching), a table wide enough for any request the
+        # model can take: transformers' fallback (32 blocks) would send every longer request's
+        # decode rows back to the read index. A table row costs 4 bytes per block.
+        blocks = -(-positions // cb_config.block_size) + 1
+        cb_config.max_blocks_per_request = blocks + blocks % 2
     cb_init.resolve_without_hints(cb_config)
     cb_init.resolve_compile_configs(
         cb_config=cb_config,
