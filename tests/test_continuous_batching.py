@@ -76,7 +76,8 @@ def steps(monkeypatch):
     def spy(cache, kwargs, num_tokens):
         step = build(cache, kwargs, num_tokens)
         cu = step.cu_seqlens_q[:-1].tolist()
-        seen.append(([b - a for a, b in zip(cu, cu[1:])], step.kv_lens[:-1].tolist(), kwargs.get("block_table") is not None))
+        fast = kwargs.get("block_table") is not None
+        seen.append(([b - a for a, b in zip(cu, cu[1:])], step.kv_lens[:-1].tolist(), fast))
         return step
 
     monkeypatch.setattr(serving, "build_step", spy)

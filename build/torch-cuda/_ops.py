@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_3309bda00e"
+NAMESPACE = "_m3_sparse_cuda_475adf901d"
 
 ops = getattr(torch.ops, NAMESPACE)
 

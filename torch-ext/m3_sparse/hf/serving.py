@@ -177,7 +177,9 @@ def _resolve_config(config, cb_config, workload_hints, has_logit_processors):
         is_flash_attn=True,
         decode_fast_path_available=cb_config.max_blocks_per_request > 0,
     )
-    cb_init.decide_use_cuda_graphs(cb_config=cb_config, is_attn_mask_needed=False, cuda_graph_requested=graphs_requested)
+    cb_init.decide_use_cuda_graphs(
+        cb_config=cb_config, is_attn_mask_needed=False, cuda_graph_requested=graphs_requested
+    )
     cb_init.decide_use_async_batching(cb_config=cb_config, is_attn_mask_needed=False)
     cb_init.resolve_max_memory_percent(cb_config=cb_config, has_logit_processors=has_logit_processors)
     return cb_config
