@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
@@ -266,12 +267,10 @@ def history_slots(step, req, length):
     return step.block_tables[req, pos // step.page_size].long() * step.page_size + pos % step.page_size
 
 
-def test_config_keeps_the_decode_fast_path(model):
+def test_config_keeps_the_decode_fast_path():
     """paged|m3_sparse resolves like flash attention: the decode fast path stays on (the
     block table is what build_step reads) and no mask is needed (CUDA graphs by default on
     CUDA); explicit settings stay as given; other implementations resolve as before."""
-    from transformers.generation.continuous_batching import continuous_api
-
     resolve = continuous_api.resolve_continuous_batching_config
     config = text_config()
     config._attn_implementation = serving.CB_IMPLEMENTATION
