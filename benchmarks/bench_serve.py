@@ -25,8 +25,9 @@ fast path, asynchronous batching, compilation) is transformers' default for each
 Configurations (``--configs``): ``m3_sparse`` (the sparse model loaded with
 ``m3_sparse``: the manager switches it to ``paged|m3_sparse``, ``M3_SPARSE_IMPL=auto``),
 ``dense`` (the dense twin on ``sdpa``, switched to ``paged|sdpa``; the baseline of the
-speedup columns) and ``dense-flash`` (the dense twin on ``flash_attention_2``, switched to
-``paged|flash_attention_2``; skipped with a note when flash-attn is not installed).
+speedup columns). No flash-attention twin: transformers 5.17's M3 model class declares no
+flash-attention support (``_supports_flash_attn = False``), so it refuses
+``flash_attention_2`` / ``_4`` and the manager's ``paged|flash_attention_*`` with them.
 
 Figures of a run, from the timestamps transformers takes when it appends a token (on the
 host, after the step's tokens came back from the device): output tokens/s (all generated
@@ -34,24 +35,32 @@ tokens over the time from the first arrival to the last token), time to first to
 request (its first token's stamp less its ``add_request`` time: queueing and prefill
 included), inter-token latency (the gaps between a request's consecutive tokens, all
 requests pooled), p50 and p99 of both, and the peak memory (``torch.cuda.max_memory_allocated``
-over the run, weights and the manager's cache included). On CUDA every configuration first
-serves the whole request set once, untimed (``--warmup full``): Triton specializes its kernels
-on the step's shapes and the manager captures a graph per padded shape, so the timed runs
-measure a server that has seen such steps before (``--warmup short``, two requests, keeps the
-first run's compilation in its figures).
+over the run, weights and the manager's cache included). On CUDA each configuration is warmed
+before its timed runs (``--warmup auto``): ``m3_sparse`` serves the whole request set once,
+untimed (``full``), because Triton specializes its kernels per step shape and the manager
+captures a graph per padded shape, so the timed runs measure a server that has seen such
+steps before; ``dense`` serves the two shortest requests (``short``): ``paged|sdpa`` needs a
+mask, so the manager captures no graphs for it and nothing of it compiles per shape.
+``--warmup short`` for every configuration keeps a cold start's compilation in the figures.
 
 Steps: every run also records each step of the manager's loop (``step_log``): the query
 tokens it scheduled, whether it took the decode fast path, and the host time of scheduling,
 launching and updating; the JSON row holds their totals (``steps``) and the log a line.
 
-Check: with ``--check`` (on in ``--quick``) every request's tokens are compared with its
-own single-request ``generate()`` on the same model (``m3_sparse`` for the sparse model, the
-twin's attention for the dense one). In float32 they must be equal. In bf16 two summation
-orders (prefill chunks against one prefill) move logits by a few rounding steps, which flips
-near ties of a random model's flat logits; there a request passes when every served token is
-within ``GAP_TOLERANCE`` of the top logit in one forward pass over its prompt and the tokens
-before it (``token_gaps``), and the note gives the largest gap beside generate()'s own. A
-failing request is reported and the script exits 1.
+Check: with ``--check`` (on in ``--quick``; ``--check m3_sparse`` for one configuration)
+every request's tokens are compared with its own single-request ``generate()`` on the same
+model (``m3_sparse`` for the sparse model, the twin's attention for the dense one). In
+float32 they must be equal. In bf16 two summation orders (prefill chunks against one prefill)
+move logits by a few rounding steps, which flips near ties of a random model's flat logits;
+there a request passes when every served token is within ``GAP_TOLERANCE`` of the top logit in
+one forward pass over its prompt and the tokens before it (``token_gaps``), and the note gives
+the largest gap beside generate()'s own. A failing request is reported and the script exits 1.
+
+Limit: the dense twin's ``paged|sdpa`` runs take minutes at the default sizes.
+``--run-limit SECONDS`` stops a run that long after its first arrival; its row says
+``stopped``, how many requests finished, and bounds its output tokens/s from above (every
+request's tokens over the time it ran: it needed at least that long), so the sparse run's
+tokens/s speedup over it is a lower bound (``> N.NNx`` in the table, ``tok_s_min`` in the JSON).
 
 Outputs, in ``--out`` (default ``$OUT``, else ./out): ``bench_serve.md`` (setup and
 table), ``bench_serve.json`` (one result row per run, rewritten after each),
@@ -83,7 +92,6 @@ import transformers  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor  # noqa: E402
-from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
 tqdm = bg.tqdm
 DEFAULT_CONFIGS = "m3_sparse,dense"
@@ -91,7 +99,6 @@ CONFIGS = {
     # name: (model, attn_implementation it is loaded with; the manager prefixes "paged|")
     "m3_sparse": ("sparse", "m3_sparse"),
     "dense": ("dense", "sdpa"),
-    "dense-flash": ("dense", "flash_attention_2"),
 }
 
 _BAR = None
@@ -138,18 +145,24 @@ def parse_args(argv=None):
                    help="cache blocks (default: every request's prompt and new tokens at once)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="query tokens per step (default 8192; --quick 64, so prompts are chunked)")
-    p.add_argument("--check", action="store_true",
-                   help="compare every request's tokens with its own generate() (on with --quick; in bf16 a token may "
-                   "differ at a near tie, and passes within GAP_TOLERANCE of a teacher-forced forward pass)")
+    p.add_argument("--check", nargs="?", const="all", default=None, metavar="CONFIGS",
+                   help="compare every request's tokens with its own generate(), in every configuration or in those "
+                   "named (comma separated); on with --quick; in bf16 a token may differ at a near tie, and passes "
+                   "within GAP_TOLERANCE of a teacher-forced forward pass")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --quick 64)")
     p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="weights and activations (default bfloat16 on CUDA, float32 on the CPU)")
-    p.add_argument("--warmup", choices=["full", "short", "none"], default="full",
-                   help="on CUDA before each configuration's runs: every request once (full, default), the two "
-                   "shortest (short) or nothing")
+    p.add_argument("--warmup", choices=["auto", "full", "short", "none"], default="auto",
+                   help="on CUDA before each configuration's runs: every request once (full), the two shortest "
+                   "(short) or nothing; auto (default): full where the manager captures CUDA graphs or Triton "
+                   "specializes kernels per step shape (m3_sparse), short for dense (paged|sdpa)")
+    p.add_argument("--run-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop a run (and a warm-up) this many seconds after its first arrival; a stopped run "
+                   "reports an upper bound on its output tok/s (every request's tokens over the time it ran) and "
+                   "the speedups over it as lower bounds (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens (default 0)")
     args = p.parse_args(argv)
     q = args.quick
@@ -163,10 +176,15 @@ def parse_args(argv=None):
     args.new_tokens = args.new_tokens or (5 if q else 256)
     args.block_size = args.block_size or (16 if q else 256)
     args.max_batch_tokens = args.max_batch_tokens or (64 if q else 8192)
-    args.check = args.check or q
     bg.model_and_configs(p, args, q, CONFIGS)
+    check = args.check or ("all" if q else "")
+    args.check = list(args.configs) if check == "all" else [c for c in check.split(",") if c.strip()]
+    if set(args.check) - set(args.configs):
+        p.error(f"--check: expected configurations of --configs {args.configs}, got {args.check}")
     if not args.rates or any(r < 0 for r in args.rates):
         p.error(f"--rates: expected rates >= 0, got {args.rates}")
+    if args.run_limit is not None and args.run_limit <= 0:
+        p.error(f"--run-limit: expected seconds > 0, got {args.run_limit}")
     if min(args.requests, args.new_tokens) < 1:
         p.error("--requests and --new-tokens must be >= 1")
     args.device = torch.device(args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda"))
@@ -208,15 +226,18 @@ class Served:
     error: str | None = None
 
 
-def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list[Served], float, str]:
+def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list, float, str, float | None]:
     """All ``prompts`` through one manager, request i added ``i / rate`` s after the start
-    (all at once for rate 0): (the requests in order, the start time, the attention the
-    manager switched the model to)."""
+    (all at once for rate 0): (the requests in order, None for one unfinished when the run
+    was stopped, the start time, the attention the manager switched the model to, the seconds
+    after which ``--run-limit`` stopped the run or None)."""
     manager = model.init_continuous_batching(generation_config=gen_config(args.new_tokens),
                                              continuous_batching_config=cb_config(args, prompts))
     attn = model.config._attn_implementation
     manager.start()
     done: dict[str, Served] = {}
+    stopped = None
+    limit = float("inf") if args.run_limit is None else args.run_limit
     try:
         start = time.perf_counter()
         added = 0
@@ -227,7 +248,11 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
                                        record_timestamps=True) is None:
                     raise RuntimeError(f"the manager dropped request r{added} (it accepts no more requests)")
                 added += 1
+            if time.perf_counter() - start >= limit:
+                stopped = time.perf_counter() - start
+                break
             wait = 1.0 if added == len(prompts) else max(0.0, start + added / rate - time.perf_counter())
+            wait = min(wait, max(0.0, start + limit - time.perf_counter()))
             out = manager.get_result(timeout=wait)
             if out is not None and out.is_finished():
                 done[out.request_id] = Served(out.generated_tokens, out.created_time, out.timestamps or [], out.error)
@@ -236,7 +261,7 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
                 raise RuntimeError(f"the manager stopped with {len(prompts) - len(done)} requests unfinished")
     finally:
         manager.stop(block=True, timeout=60)
-    return [done[f"r{i}"] for i in range(len(prompts))], start, attn
+    return [done.get(f"r{i}") for i in range(len(prompts))], start, attn, stopped
 
 
 STEP_METHODS = ("prepare_next_batch", "_generation_step", "update_batch")
@@ -299,6 +324,17 @@ def step_summary(rows: list[dict]) -> dict:
     return out
 
 
+def stopped_figures(served: list[Served | None], stopped_s: float, new_tokens: int) -> dict:
+    """A run stopped by ``--run-limit`` after ``stopped_s`` seconds: it would have needed at
+    least that long for every request's tokens, so their count over it bounds its output
+    tokens/s from above (``tok_s_max``); latencies of the requests that finished first would
+    flatter it and are left out."""
+    finished = [s for s in served if s is not None]
+    return {"output_tokens": sum(len(s.tokens) for s in finished), "finished": len(finished), "wall_s": stopped_s,
+            "tok_s": None, "tok_s_max": len(served) * new_tokens / stopped_s,
+            "ttft_p50_ms": None, "ttft_p99_ms": None, "itl_p50_ms": None, "itl_p99_ms": None}
+
+
 def pct(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
@@ -338,18 +374,23 @@ def token_gaps(model, prompt: list[int], tokens: list[int]) -> list[float]:
     return gaps.tolist()
 
 
-def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> dict:
+def check_tokens(model, prompts, served: list[Served], new_tokens: int, refs: dict | None = None) -> dict:
     """Every request against its own single-request generate(): which differ (``mismatched``)
     and where each first differs (``divergences``); with a rounding dtype (``GAP_TOLERANCE``)
     also the largest teacher-forced gap of the served tokens (``gap``) and of generate()'s own
     (``reference_gap``, its decode steps against one forward pass), and the requests whose
-    served tokens exceed the tolerance (``failed``). In float32 every difference fails."""
+    served tokens exceed the tolerance (``failed``). In float32 every difference fails.
+    ``refs`` keeps generate()'s tokens and their gap per request across the runs of one model
+    (another arrival rate serves the same prompts)."""
     tol = GAP_TOLERANCE.get(model.dtype)
     out = {"mismatched": [], "divergences": [], "failed": [], "gap": None, "reference_gap": None, "tolerance": tol}
+    refs = {} if refs is None else refs
     for i, (prompt, s) in enumerate(zip(prompts, served)):
-        ids = torch.tensor([prompt], device=model.device)
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config(new_tokens))
-        ref = ref[0, len(prompt):].tolist()
+        if i not in refs:
+            ids = torch.tensor([prompt], device=model.device)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config(new_tokens))
+            refs[i] = {"tokens": ref[0, len(prompt):].tolist(), "gap": None}
+        ref = refs[i]["tokens"]
         if s.tokens != ref:
             out["mismatched"].append(i)
             out["divergences"].append(dict(request=i, **divergence(model, prompt, s.tokens, ref)))
@@ -357,7 +398,9 @@ def check_tokens(model, prompts, served: list[Served], new_tokens: int) -> dict:
             continue
         gap = max(token_gaps(model, prompt, s.tokens))
         # Equal tokens have equal gaps: one forward pass over a long prompt is enough.
-        ref_gap = gap if s.tokens == ref else max(token_gaps(model, prompt, ref))
+        if refs[i]["gap"] is None:
+            refs[i]["gap"] = gap if s.tokens == ref else max(token_gaps(model, prompt, ref))
+        ref_gap = refs[i]["gap"]
         out["gap"] = max(out["gap"] or 0.0, gap)
         out["reference_gap"] = max(out["reference_gap"] or 0.0, ref_gap)
         if gap > tol:
@@ -394,7 +437,7 @@ class Run:
     layers: str
     config: str
     rate: float
-    status: str = "pending"  # ok | mismatch | skipped | OOM | error
+    status: str = "pending"  # ok | mismatch | stopped | OOM | error
     note: str = ""
     figures: dict = field(default_factory=dict)
     peak_gib: float | None = None
@@ -416,13 +459,7 @@ def attention_context(name: str, device):
         bg.dense_backends(device) if name == "dense" else contextlib.nullcontext())
 
 
-def unavailable(name: str) -> str | None:
-    if name == "dense-flash" and not is_flash_attn_2_available():
-        return "flash-attn is not installed: no paged|flash_attention_2"
-    return None
-
-
-def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done) -> Run:
+def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done, refs: dict) -> Run:
     run = Run(pattern, name, rate)
     bg.free_memory(args.device)
     if args.device.type == "cuda":
@@ -430,19 +467,25 @@ def run_one(model, name: str, pattern: str, prompts, args, rate: float, on_done)
     try:
         with attention_context(name, args.device), torch.no_grad():
             with step_log() as steps:
-                served, start, run.attn = serve(model, prompts, args, rate, on_done)
+                served, start, run.attn, stopped_s = serve(model, prompts, args, rate, on_done)
             run.steps = step_summary(steps)
             sync(args.device)
             run.peak_gib = torch.cuda.max_memory_allocated(args.device) / GIB if args.device.type == "cuda" else None
-            errors = [f"r{i}: {s.error}" for i, s in enumerate(served) if s.error]
+            errors = [f"r{i}: {s.error}" for i, s in enumerate(served) if s is not None and s.error]
             errors += [f"r{i}: {len(s.stamps)} token stamps for {len(s.tokens)} tokens" for i, s in enumerate(served)
-                       if not s.error and len(s.stamps) != len(s.tokens)]
+                       if s is not None and not s.error and len(s.stamps) != len(s.tokens)]
             if errors:
                 raise RuntimeError("; ".join(errors)[:300])
-            run.figures = figures(served, start)
-            run.status = "ok"
-            if args.check:
-                run.check = check_tokens(model, prompts, served, args.new_tokens)
+            if stopped_s is not None:
+                run.figures = stopped_figures(served, stopped_s, args.new_tokens)
+                run.status = "stopped"
+                run.note = (f"stopped after {stopped_s:.0f} s (--run-limit), {run.figures['finished']} of "
+                            f"{len(served)} requests finished: output tok/s below {run.figures['tok_s_max']:.1f}")
+            else:
+                run.figures = figures(served, start)
+                run.status = "ok"
+            if run.status == "ok" and name in args.check:
+                run.check = check_tokens(model, prompts, served, args.new_tokens, refs)
                 run.mismatched, run.divergences = run.check.pop("mismatched"), run.check.pop("divergences")
                 run.failed = run.check.pop("failed")
                 run.status, run.note = ("mismatch" if run.failed else "ok"), check_note(run)
@@ -469,14 +512,26 @@ def check_note(run: Run) -> str:
     return text
 
 
+# --warmup auto: what each configuration's timed runs would otherwise pay for once. The
+# m3_sparse manager captures a CUDA graph per padded step shape and Triton specializes its
+# kernels on the shapes' integer arguments. paged|sdpa needs a mask: no graphs, nothing
+# compiled per shape.
+AUTO_WARMUP = {"m3_sparse": "full", "dense": "short"}
+
+
+def warmup_mode(name: str, args) -> str:
+    return AUTO_WARMUP[name] if args.warmup == "auto" else args.warmup
+
+
 def warm_up(model, name: str, prompts, args) -> None:
-    """Before the timed runs, on CUDA: every request through a manager (``--warmup full``,
-    the default: each shape the timed runs meet is compiled, its kernels specialized and its
-    graphs captured once, as in a server that has run for a while) or the two shortest
-    (``--warmup short``: a cold start's compilation stays in the timed runs)."""
-    if args.device.type != "cuda" or args.warmup == "none":
+    """Before the timed runs, on CUDA: every request through a manager (``full``: each shape
+    the timed runs meet is compiled, its kernels specialized and its graphs captured once, as in
+    a server that has run for a while) or the two shortest (``short``: a cold start's
+    compilation stays in the timed runs); ``warmup_mode`` picks per configuration."""
+    mode = warmup_mode(name, args)
+    if args.device.type != "cuda" or mode == "none":
         return
-    batch = prompts if args.warmup == "full" else sorted(prompts, key=len)[:2]
+    batch = prompts if mode == "full" else sorted(prompts, key=len)[:2]
     try:
         with attention_context(name, args.device), torch.no_grad():
             serve(model, batch, args, 0.0)
@@ -490,17 +545,22 @@ def warm_up(model, name: str, prompts, args) -> None:
 # ---------------------------------------------------------------------------------------
 def fill_speedups(runs: list[Run]) -> None:
     """Against the dense run of the same model pattern and rate: tokens/s ratio, and dense
-    latency / latency for TTFT and inter-token p50."""
-    base = {(r.layers, r.rate): r.figures for r in runs if r.config == "dense" and r.status == "ok"}
+    latency / latency for TTFT and inter-token p50. Against a dense run that ``--run-limit``
+    stopped, only the tokens/s ratio, as a lower bound (``tok_s_min``)."""
+    base = {(r.layers, r.rate): r for r in runs if r.config == "dense" and r.status in ("ok", "stopped")}
     for r in runs:
         ref = base.get((r.layers, r.rate))
         if ref is None or r.status != "ok" or r.config == "dense":
             continue
-        f = r.figures
+        f, b = r.figures, ref.figures
+        if ref.status == "stopped":
+            r.speedup = {"tok_s": None, "tok_s_min": f["tok_s"] / b["tok_s_max"] if f["tok_s"] else None,
+                         "ttft_p50": None, "itl_p50": None}
+            continue
         r.speedup = {
-            "tok_s": f["tok_s"] / ref["tok_s"] if f["tok_s"] and ref["tok_s"] else None,
-            "ttft_p50": ref["ttft_p50_ms"] / f["ttft_p50_ms"] if f["ttft_p50_ms"] else None,
-            "itl_p50": ref["itl_p50_ms"] / f["itl_p50_ms"] if f["itl_p50_ms"] else None,
+            "tok_s": f["tok_s"] / b["tok_s"] if f["tok_s"] and b["tok_s"] else None,
+            "ttft_p50": b["ttft_p50_ms"] / f["ttft_p50_ms"] if f["ttft_p50_ms"] else None,
+            "itl_p50": b["itl_p50_ms"] / f["itl_p50_ms"] if f["itl_p50_ms"] else None,
         }
 
 
@@ -508,14 +568,22 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _tok_s(f: dict) -> str:
+    return f"< {f['tok_s_max']:.1f}" if f.get("tok_s_max") is not None else common.fmt(f.get("tok_s"), 1)
+
+
+def _tok_s_speedup(s: dict) -> str:
+    return f"> {s['tok_s_min']:.2f}x" if s.get("tok_s_min") is not None else _x(s.get("tok_s"))
+
+
 def table(runs: list[Run]) -> str:
     rows = []
     for r in runs:
         f, s = r.figures, r.speedup
-        rows.append([r.layers, r.config, r.label, r.status, common.fmt(f.get("tok_s"), 1),
+        rows.append([r.layers, r.config, r.label, r.status, _tok_s(f),
                      common.fmt(f.get("ttft_p50_ms"), 1), common.fmt(f.get("ttft_p99_ms"), 1),
                      common.fmt(f.get("itl_p50_ms"), 2), common.fmt(f.get("itl_p99_ms"), 2),
-                     common.fmt(r.peak_gib, 1), _x(s.get("tok_s")), _x(s.get("ttft_p50")), _x(s.get("itl_p50")),
+                     common.fmt(r.peak_gib, 1), _tok_s_speedup(s), _x(s.get("ttft_p50")), _x(s.get("itl_p50")),
                      r.note[:90]])
     return common.md_table(["layers", "config", "arrival", "status", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
                             "ITL p50 ms", "ITL p99 ms", "peak GiB", "tok/s speedup", "TTFT p50 speedup",
@@ -540,13 +608,15 @@ def setup_lines(args, env, prompts) -> list[str]:
         "consecutive tokens, all requests pooled; output tok/s: generated tokens / (last token - first arrival); "
         "peak: torch.cuda.max_memory_allocated over the run, weights and cache included.",
         "- Speedups: over the `dense` (paged|sdpa) run of the same model and arrival.",
+        f"- Warm-up before each configuration's runs (CUDA): "
+        f"{', '.join(f'{c} {warmup_mode(c, args)}' for c in args.configs) if args.device.type == 'cuda' else 'none'}.",
         f"- Token check: {check_line(args) if args.check else 'off (--check)'}.",
     ]
 
 
 def check_line(args) -> str:
     tol = GAP_TOLERANCE.get(args.dtype)
-    line = "every request against its own generate()"
+    line = f"{', '.join(args.check)}: every request against its own generate()"
     if tol is None:
         return line + ", tokens equal"
     return (line + f"; in {str(args.dtype).removeprefix('torch.')} a request passes when each served token is within "
@@ -574,7 +644,7 @@ def write_outputs(args, env, prompts, runs: list[Run], final: bool) -> str:
                     baseline="dense twin on paged|sdpa" if ref else None,
                     baseline_ms=ref["ttft_p50_ms"] if ref else None, config=r.config,
                     attn=r.attn, status=r.status,
-                    note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=args.check,
+                    note=r.note, peak_gib=r.peak_gib, speedup=r.speedup, checked=r.config in args.check,
                     mismatched=r.mismatched, failed=r.failed, divergences=r.divergences, check=r.check,
                     steps=r.steps, **r.figures)
     results.write()
@@ -620,7 +690,7 @@ def plot(args, runs: list[Run]) -> str:
 def log_run(run: Run) -> None:
     f, fmt = run.figures, common.fmt
     note = f" ({run.note})" if run.note else ""
-    log(f"{run.layers} {run.config} {run.label}: {run.status}{note}, tok/s {fmt(f.get('tok_s'), 1)}, "
+    log(f"{run.layers} {run.config} {run.label}: {run.status}{note}, tok/s {_tok_s(f)}, "
         f"TTFT p50/p99 {fmt(f.get('ttft_p50_ms'), 1)}/{fmt(f.get('ttft_p99_ms'), 1)} ms, "
         f"ITL p50/p99 {fmt(f.get('itl_p50_ms'), 2)}/{fmt(f.get('itl_p99_ms'), 2)} ms, peak {fmt(run.peak_gib, 1)} GiB")
     st = run.steps
@@ -652,17 +722,12 @@ def main(argv=None) -> int:
             for name in args.configs:
                 kind, attn = CONFIGS[name]
                 model = models[kind]
-                why = unavailable(name)
-                if why is None:
-                    model.set_attn_implementation(attn)
-                    warm_up(model, name, prompts, args)
+                refs: dict = {}  # generate()'s tokens per request, shared by this model's runs
+                model.set_attn_implementation(attn)
+                warm_up(model, name, prompts, args)
                 for rate in args.rates:
                     _BAR.set_postfix_str(f"{pattern} {name} {'at once' if rate == 0 else f'{rate:g}/s'}")
-                    if why is not None:
-                        run = Run(pattern, name, rate, status="skipped", note=why)
-                        _BAR.update(args.requests)
-                    else:
-                        run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1))
+                    run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1), refs)
                     runs.append(run)
                     log_run(run)
                     write_outputs(args, env, prompts, runs, final=False)
@@ -680,7 +745,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"token check FAILED: {[f'{r.layers} {r.config} {r.label}: {r.failed}' for r in bad]}", file=sys.stderr)
         return 1
-    if args.quick and any(r.status not in ("ok", "skipped") for r in runs):
+    if args.quick and any(r.status not in ("ok", "stopped") for r in runs):
         print("smoke run FAILED: a run did not finish", file=sys.stderr)
         return 1
     return 0

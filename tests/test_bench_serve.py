@@ -99,11 +99,21 @@ ref = out.sequences[0, len(prompt):].tolist()
 step2 = out.logits[2][0].float()
 runner_up = int(step2.argsort(descending=True)[1])
 got = ref[:2] + [runner_up] + ref[3:]
+# check_tokens keeps generate()'s tokens in refs: a second run (another arrival rate) reuses
+# them, and calls generate() only for the divergence's logits.
+refs, served, calls = {}, [bench_serve.Served(got, 0.0, [])], []
+generate = model.generate
+model.generate = lambda *a, **k: calls.append(len(a[0][0])) or generate(*a, **k)
+checks = [bench_serve.check_tokens(model, [prompt], served, 5, refs)]
+checks.append(bench_serve.check_tokens(model, [prompt], served, 5, refs))
+checks += [refs[0]["tokens"] == ref, calls]
+del model.generate
 print(json.dumps({"same": bench_serve.divergence(model, prompt, ref, ref),
                   "diff": bench_serve.divergence(model, prompt, got, ref),
                   "gaps_ref": bench_serve.token_gaps(model, prompt, ref),
                   "gaps_got": bench_serve.token_gaps(model, prompt, got),
-                  "margin": float(step2[ref[2]] - step2[runner_up]), "top": float(step2.abs().max())}))
+                  "margin": float(step2[ref[2]] - step2[runner_up]), "top": float(step2.abs().max()),
+                  "checks": checks}))
 """
 
 
@@ -129,3 +139,71 @@ def test_divergence_names_the_step_rank_and_margin(tmp_path):
     assert max(got["gaps_ref"]) < 1e-5
     assert got["gaps_got"][:2] == pytest.approx([0.0, 0.0], abs=1e-5)
     assert got["gaps_got"][2] == pytest.approx(got["margin"] / got["top"], rel=1e-3, abs=1e-6)
+    # fp32: a differing token fails; the second check answered from the kept reference.
+    first, second, kept, calls = got["checks"]
+    assert first["mismatched"] == first["failed"] == [0] and first["divergences"][0]["step"] == 2
+    assert second == first and kept
+    assert calls == [40, 42, 42]  # the reference once, then each check's divergence (prompt + 2)
+
+
+def test_check_and_warmup_flags():
+    """``--check`` alone checks every configuration, ``--check NAME`` that one, and a name not
+    among ``--configs`` is refused; ``--warmup auto`` warms the configurations whose manager
+    captures graphs with the whole request set and paged|sdpa with two requests."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve
+
+    base = ["--layers", "sf", "--configs", "m3_sparse,dense", "--device", "cpu"]
+    assert bench_serve.parse_args(base).check == []
+    assert bench_serve.parse_args(base + ["--check"]).check == ["m3_sparse", "dense"]
+    assert bench_serve.parse_args(base + ["--check", "m3_sparse"]).check == ["m3_sparse"]
+    assert bench_serve.parse_args(["--quick"]).check == bench_serve.parse_args(["--quick"]).configs
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--configs", "m3_sparse", "--check", "dense"])
+    args = bench_serve.parse_args(base)
+    assert [bench_serve.warmup_mode(c, args) for c in bench_serve.CONFIGS] == ["full", "short"]
+    args = bench_serve.parse_args(base + ["--warmup", "short"])
+    assert {bench_serve.warmup_mode(c, args) for c in bench_serve.CONFIGS} == {"short"}
+
+
+def test_run_limit_stops_a_run_and_bounds_its_throughput(tmp_path):
+    """``--run-limit``: a run stopped before its requests finish says so, reports no latencies,
+    bounds its output tok/s by every request's tokens over the time it ran, skips the token
+    check and exits 0."""
+    rows = quick_run(tmp_path, "--configs", "dense", "--rates", "0", "--run-limit", "1e-6")
+    (row,) = rows
+    m = row["metrics"]
+    assert m["status"] == "stopped" and not m["mismatched"] and m["finished"] < 4, m
+    assert m["tok_s"] is None and m["ttft_p50_ms"] is None and m["itl_p50_ms"] is None
+    assert m["tok_s_max"] * m["wall_s"] == pytest.approx(4 * 5) and m["wall_s"] > 0
+    assert "stopped after" in m["note"] and f"< {m['tok_s_max']:.1f}" in (tmp_path / "bench_serve.md").read_text()
+
+
+def test_speedup_over_a_stopped_dense_run_is_a_lower_bound():
+    """A finished sparse run against a stopped dense run of the same model and arrival: its
+    tokens/s over the dense run's upper bound, shown as a lower bound; no latency speedups."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve
+
+    sparse = bench_serve.Run("sf", "m3_sparse", 0.0, status="ok",
+                             figures=dict(tok_s=300.0, ttft_p50_ms=10.0, itl_p50_ms=2.0))
+    dense = bench_serve.Run("sf", "dense", 0.0, status="stopped",
+                            figures=bench_serve.stopped_figures([None, None], 4.0, 100))
+    other_rate = bench_serve.Run("sf", "m3_sparse", 4.0, status="ok",
+                                 figures=dict(tok_s=300.0, ttft_p50_ms=10.0, itl_p50_ms=2.0))
+    bench_serve.fill_speedups([sparse, dense, other_rate])
+    assert dense.figures["tok_s_max"] == 50.0
+    assert sparse.speedup == {"tok_s": None, "tok_s_min": 6.0, "ttft_p50": None, "itl_p50": None}
+    assert other_rate.speedup == {}
+    tab = bench_serve.table([sparse, dense])
+    assert "> 6.00x" in tab and "< 50.0" in tab
+
+
+
+def test_the_dense_twin_has_no_flash_attention():
+    """Why bench_serve has no flash-attention twin: transformers refuses flash attention for
+    the M3 model class. When it accepts it, a paged|flash_attention_* twin belongs beside
+    paged|sdpa."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    assert MiniMaxM3VLForCausalLM._supports_flash_attn is False
