@@ -29,6 +29,14 @@ def quick_run(out: Path, *extra: str, quick: bool = True) -> list[dict]:
     return json.loads((out / "bench_serve.json").read_text())
 
 
+def import_bench_serve():
+    """The script as a module, for its pure functions (it imports torch and transformers)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve
+
+    return bench_serve
+
+
 def test_quick_run_serves_and_checks_tokens(tmp_path):
     rows = quick_run(tmp_path)
     assert [(r["metrics"]["config"], r["sizes"]["rate"]) for r in rows] == [
@@ -148,11 +156,9 @@ def test_divergence_names_the_step_rank_and_margin(tmp_path):
 
 def test_check_and_warmup_flags():
     """``--check`` alone checks every configuration, ``--check NAME`` that one, and a name not
-    among ``--configs`` is refused; ``--warmup auto`` warms the configurations whose manager
-    captures graphs with the whole request set and paged|sdpa with two requests."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_serve
-
+    among ``--configs`` is refused; ``--warmup auto`` warms m3_sparse (graphs, Triton
+    specializations) with the whole request set and paged|sdpa with two requests."""
+    bench_serve = import_bench_serve()
     base = ["--layers", "sf", "--configs", "m3_sparse,dense", "--device", "cpu"]
     assert bench_serve.parse_args(base).check == []
     assert bench_serve.parse_args(base + ["--check"]).check == ["m3_sparse", "dense"]
@@ -182,9 +188,7 @@ def test_run_limit_stops_a_run_and_bounds_its_throughput(tmp_path):
 def test_speedup_over_a_stopped_dense_run_is_a_lower_bound():
     """A finished sparse run against a stopped dense run of the same model and arrival: its
     tokens/s over the dense run's upper bound, shown as a lower bound; no latency speedups."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_serve
-
+    bench_serve = import_bench_serve()
     sparse = bench_serve.Run("sf", "m3_sparse", 0.0, status="ok",
                              figures=dict(tok_s=300.0, ttft_p50_ms=10.0, itl_p50_ms=2.0))
     dense = bench_serve.Run("sf", "dense", 0.0, status="stopped",
@@ -197,7 +201,6 @@ def test_speedup_over_a_stopped_dense_run_is_a_lower_bound():
     assert other_rate.speedup == {}
     tab = bench_serve.table([sparse, dense])
     assert "> 6.00x" in tab and "< 50.0" in tab
-
 
 
 def test_the_dense_twin_has_no_flash_attention():
