@@ -40,18 +40,23 @@ cache of a code object holds a bounded number of them).
 Timing of a cell: a warm-up generate() with the same arguments (Triton compiles, cuDNN
 plans, torch.compile and CUDA-graph recording); it is left out for an eager row that follows
 its compiled twin at the same size (same model and prefill: the kernels are warm). Then
-``--reps`` measured generate() calls of ``--new-tokens`` tokens each, greedy,
-``min_new_tokens = max_new_tokens`` and the pad id suppressed so every row generates that
-many. A streamer takes a timestamp (after ``torch.cuda.synchronize()``) at each token: TTFT
-is the time from the call to the first token (prefill, generate()'s setup and the cache
+``--reps`` measured generate() calls of ``--new-tokens`` tokens each, greedy, with no
+end-of-sequence token so every row generates that many (no logits processor forces it:
+generate() runs only its own per-step work, as in a user's call; the profiled call adds the
+profiler's hook). A streamer takes a timestamp (after ``torch.cuda.synchronize()``) at each
+token: TTFT is the time from the call to the first token (prefill, generate()'s setup and the cache
 allocation included); the synced decode step (``decode_ms_synced`` in the JSON) is the median
 of the intervals between tokens over the steps before the profiled ones (a median, so that a
 one-off first step, such as a graph re-recorded for a new cache, does not count). The
 streamer's synchronization keeps the host's work for a step from overlapping the GPU's, so
-one more call runs without a streamer, as a user runs generate(): its decode step, the one
-in the table, is (call time - TTFT) / (new tokens - 1); decode tokens/s counts every row of
-the batch. Medians over the repetitions. Peak memory: ``torch.cuda.max_memory_allocated``
-during the measured calls, the weights of both models included.
+two more calls run without a streamer, as a user runs generate(), one of ``--new-tokens``
+tokens and one of 2: the decode step in the table is their difference over
+``--new-tokens - 2`` steps, the steady step (prefill and first step cancel; every call's cache
+has room for ``--new-tokens``, so both run the same shapes); decode tokens/s counts every row
+of the batch; "step / GPU" is that step over the profile's GPU ms (1.0: the step takes its
+kernels' time, the host keeps up). Medians over the repetitions. Peak memory:
+``torch.cuda.max_memory_allocated`` during the measured calls, the weights of both models
+included.
 
 Profile (the last ``--profile-steps`` decode steps of the last measured call, see
 ``common.StepProfiler`` and ``common.step_profile``): each step is a window from the previous
@@ -372,10 +377,11 @@ def generate(model, ids, mask, new_tokens: int, extra: dict, streamer=None, proc
         input_ids=ids,
         attention_mask=mask,
         max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # EOS is masked until then: every row generates new_tokens
         do_sample=False,
         pad_token_id=PAD,
-        suppress_tokens=[PAD],
+        # No end-of-sequence token: every row generates new_tokens, and generate() runs no
+        # logits processor to force that (min_new_tokens would add one to every step).
+        eos_token_id=None,
         streamer=streamer,
         logits_processor=LogitsProcessorList(processors),
         **extra,
@@ -383,13 +389,17 @@ def generate(model, ids, mask, new_tokens: int, extra: dict, streamer=None, proc
 
 
 def call_args(config: Config, model, shape: Shape, args):
-    """generate()'s extra arguments for one call of ``config`` (a fresh cache each call)."""
+    """generate()'s extra arguments for one call of ``config`` (a fresh cache each call), with
+    room for ``--new-tokens`` in every call: a shorter call then runs the same shapes."""
     extra = {"disable_compile": True} if config.eager else {}
+    length = shape.context + args.new_tokens
     if config.model == "dense":
-        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=shape.context + args.new_tokens)
+        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=length)
     elif args.page_size is not None:
         extra["past_key_values"] = m3_hf_attention.M3PagedCache(
-            model.config, shape.batch, shape.context + args.new_tokens, page_size=args.page_size)
+            model.config, shape.batch, length, page_size=args.page_size)
+    elif config.attn == "m3_sparse":
+        extra["max_cache_len"] = length  # generate() sizes its own M3PagedCache from it
     return extra
 
 
@@ -451,22 +461,25 @@ def measure(model, config: Config, shape: Shape, args, warm: bool, trace: Path |
         calls.append(measured_call(model, config, shape, args, ids, mask, profiler))
     profile = profiler.summary() if profiler else {}
     # The streamer synchronizes at every token, so in the calls above the host's work for a
-    # step cannot overlap the GPU's. One more call without it, as a user runs generate():
-    # its decode steps are the time after the first token, spread over the other tokens.
+    # step cannot overlap the GPU's. Two more calls without it, as a user runs generate(), of
+    # 2 and of --new-tokens tokens: the difference is the steady decode steps alone (the
+    # prefill and the first step, which re-records a CUDA graph for a new cache, cancel).
+    def free_call(new_tokens: int) -> float:
+        sync(args.device)
+        t = time.perf_counter()
+        generate(model, ids, mask, new_tokens, call_args(config, model, shape, args))
+        sync(args.device)
+        return time.perf_counter() - t
+
     bar_step("free-running")
-    sync(args.device)
-    t = time.perf_counter()
-    generate(model, ids, mask, args.new_tokens, call_args(config, model, shape, args))
-    sync(args.device)
-    free_total = time.perf_counter() - t
+    free_step = (free_call(args.new_tokens) - free_call(2)) / (args.new_tokens - 2)
 
     def median(key):
         return statistics.median(c[key] for c in calls)
 
-    free_step = (free_total - median("ttft")) / (args.new_tokens - 1)
     if free_step <= 0:
-        # The call ran faster than the synced calls' prefill (a loaded CPU, tiny shapes): no
-        # decode time to take from it; the synced step stands in.
+        # Noise larger than the decode time (a loaded CPU, tiny shapes): the synced step
+        # stands in.
         free_step = median("step")
 
     compiled = sum(c["calls"] for c in calls)
@@ -733,16 +746,17 @@ def table(cells: list[Cell]) -> str:
     for c in cells:
         note = c.note if len(c.note) <= 90 else c.note[:87] + "..."
         if c.status != "ok":
-            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 12 + [note])
+            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 13 + [note])
             continue
+        bound = c.decode_ms_per_step / c.gpu_ms if c.gpu_ms else None  # 1.0: the step is its kernels' time
         rows.append([c.layers, c.config, c.label, c.mode, _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f"),
                      _f(c.decode_ms_per_step, ".2f"), _f(c.decode_ms_synced, ".2f"), _f(c.host_ms, ".2f"),
-                     _f(c.gpu_ms, ".2f"),
+                     _f(c.gpu_ms, ".2f"), _f(bound, ".2f"),
                      _f(c.launches, ".0f"), _f(c.kernels, ".0f"), _x(c.prefill_speedup), _x(c.decode_speedup),
                      _f(c.peak_gib, ".1f"), note])
     return common.md_table(["layers", "config", "context", "decode mode", "TTFT ms", "decode tok/s", "step ms",
-                            "synced step ms", "host ms/step", "GPU ms/step", "launches/step", "kernels/step", "TTFT speedup",
-                            "decode speedup", "peak GiB", "note"], rows)
+                            "synced step ms", "host ms/step", "GPU ms/step", "step / GPU", "launches/step",
+                            "kernels/step", "TTFT speedup", "decode speedup", "peak GiB", "note"], rows)
 
 
 def environment(args) -> dict:
@@ -769,11 +783,12 @@ def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
         f"D {cfg.head_dim}, index heads {cfg.index_n_heads} x {cfg.index_head_dim}, block {cfg.index_block_size}, "
         f"top-{cfg.index_topk_blocks}, local blocks {cfg.index_local_blocks}; hidden {cfg.hidden_size}, dense MLP "
         f"{cfg.dense_intermediate_size}, vocab {cfg.vocab_size}; {str(args.dtype).removeprefix('torch.')}.",
-        f"- Greedy generate() of {args.new_tokens} new tokens (min_new_tokens = max_new_tokens, pad suppressed), "
+        f"- Greedy generate() of {args.new_tokens} new tokens (no end-of-sequence token, no logits processor), "
         f"median of {args.reps} measured call(s) after a warm-up call (none for an eager row right after its "
         "compiled twin). TTFT: generate() call to first token (streamer stamp after torch.cuda.synchronize), "
-        "prefill and setup included; step ms: (time of a call without a streamer - TTFT) / (new tokens - 1), "
-        "first step included; synced step ms: median interval between streamer tokens"
+        f"prefill and setup included; step ms: (time of a call of {args.new_tokens} tokens - time of a call of 2) / "
+        f"{args.new_tokens - 2}, both without a streamer (steady steps, the first excluded); step / GPU: step ms / "
+        "GPU ms; synced step ms: median interval between streamer tokens"
         + (f" over the steps before the {p} profiled ones" if p else "") + " (host and GPU work of a step "
         "serialized by the streamer's synchronization); decode tok/s = rows / step ms. "
         "Peak: torch.cuda.max_memory_allocated during the measured calls, weights of both models included.",
