@@ -73,7 +73,9 @@ Sizes (``--sizes``): ``N`` or ``BxN`` (B rows of N tokens). A cell whose estimat
 (``memory_need``: the cache, plus the larger of the prefill's transient tensors and, for the
 dense twin's decode, its K/V repeated to Hq heads) exceeds ``--mem-frac`` of the free GPU
 memory is skipped with the estimate printed; an out-of-memory error is reported as OOM and
-the run goes on.
+the run goes on. generate() prefills a whole batch in one forward pass: at 32 x 32K (1M
+tokens) that runs out of memory on an H200 for either model, and ``--prefill-chunk N`` has
+every call prefill in chunks of N tokens instead (generate()'s ``prefill_chunk_size``).
 
 Cost on an H200 (estimated from earlier runs, not yet measured as a whole): the decode steps
 cost little (``--new-tokens`` 20 keeps them to seconds per cell); prefills dominate, two per
@@ -244,6 +246,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=None,
                    help="m3_sparse rows: pass generate() an M3PagedCache of this page size (default: none passed, "
                    "generate() builds its own with the default page size)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="pass generate() prefill_chunk_size (transformers' chunked prefill) in every call; for a "
+                   "batch whose one-pass prefill does not fit in memory (default: none, one pass)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="generated tokens per call (default 20; --quick 8); the last --profile-steps of them are "
                    "profiled, the decode step is timed on the others")
@@ -287,6 +292,8 @@ def parse_args(argv=None):
                 f"timed decode steps, the step the profiler starts in, the profiled steps), got {args.new_tokens}")
     if args.reps < 1:
         p.error(f"--reps: expected >= 1, got {args.reps}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        p.error(f"--prefill-chunk: expected >= 1, got {args.prefill_chunk}")
     if args.vocab < 8:
         p.error(f"--vocab: expected >= 8, got {args.vocab}")
     args.device = torch.device(args.device or ("cpu" if q or not torch.cuda.is_available() else "cuda"))
@@ -400,6 +407,8 @@ def call_args(config: Config, model, shape: Shape, args):
             model.config, shape.batch, length, page_size=args.page_size)
     elif config.attn == "m3_sparse":
         extra["max_cache_len"] = length  # generate() sizes its own M3PagedCache from it
+    if args.prefill_chunk:
+        extra["prefill_chunk_size"] = args.prefill_chunk
     return extra
 
 
@@ -783,7 +792,8 @@ def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
         f"D {cfg.head_dim}, index heads {cfg.index_n_heads} x {cfg.index_head_dim}, block {cfg.index_block_size}, "
         f"top-{cfg.index_topk_blocks}, local blocks {cfg.index_local_blocks}; hidden {cfg.hidden_size}, dense MLP "
         f"{cfg.dense_intermediate_size}, vocab {cfg.vocab_size}; {str(args.dtype).removeprefix('torch.')}.",
-        f"- Greedy generate() of {args.new_tokens} new tokens (no end-of-sequence token, no logits processor), "
+        f"- Greedy generate() of {args.new_tokens} new tokens (no end-of-sequence token, no logits processor"
+        + (f", prefill in chunks of {args.prefill_chunk} tokens" if args.prefill_chunk else "") + "), "
         f"median of {args.reps} measured call(s) after a warm-up call (none for an eager row right after its "
         "compiled twin). TTFT: generate() call to first token (streamer stamp after torch.cuda.synchronize), "
         f"prefill and setup included; step ms: (time of a call of {args.new_tokens} tokens - time of a call of 2) / "

@@ -122,6 +122,50 @@ def test_generate_padded_batch_token_identical(models):
             torch.testing.assert_close(a[i][finite], b[0][finite], atol=LOGIT_ATOL, rtol=0)
 
 
+def test_generate_prefill_chunk_size_matches_one_pass(models):
+    """transformers' chunked prefill (``generate(prefill_chunk_size=...)``, what a batch too
+    large for one forward pass needs) on a left-padded batch, with chunks that hold only
+    padding for the shortest row: the tokens and scores of a one-pass prefill."""
+    sparse, _ = models
+    g = torch.Generator().manual_seed(6)
+    lengths = [70, 33, 51]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = random_prompt(n, g)
+        mask[i, width - n :] = 1
+    kw = dict(new_tokens=12, output_scores=True, return_dict_in_generate=True)
+    one = greedy(sparse, ids, mask, **kw)
+    chunked = greedy(sparse, ids, mask, prefill_chunk_size=16, **kw)
+    assert chunked.sequences.tolist() == one.sequences.tolist()
+    for a, b in zip(chunked.scores, one.scores):
+        finite = torch.isfinite(b)
+        torch.testing.assert_close(a[finite], b[finite], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_chunked_prefill_runs_eagerly_and_decode_keeps_compiling(models, monkeypatch):
+    """With an M3PagedCache, generate()'s chunked prefill asks transformers' compile decision
+    with compiling off (its chunks run eagerly, as a one-pass prefill does), and the decode
+    steps still get generate()'s own decision (disable_compile is put back)."""
+    sparse, _ = models
+    seen = []
+
+    def decision(model_kwargs, generation_config):
+        seen.append(generation_config.disable_compile)
+        return False  # nothing compiles on the CPU either way
+
+    monkeypatch.setattr(sparse, "_valid_auto_compile_criteria", decision)
+    ids = random_prompt(40, torch.Generator().manual_seed(7))[None]
+    greedy(sparse, ids, torch.ones_like(ids), new_tokens=3, prefill_chunk_size=16)
+    # _sample asks once for the decode steps (before the prefill, compiling not turned off),
+    # then the chunked prefill once, with compiling turned off.
+    assert len(seen) == 2 and not seen[0] and seen[1] is True, seen
+    seen.clear()
+    greedy(sparse, ids, torch.ones_like(ids), new_tokens=3)  # one pass: the prefill never asks
+    assert len(seen) == 1 and not seen[0], seen
+
+
 def test_chunked_prefill_and_decode_match_full_forward(models):
     """Prefill in uneven chunks, then decode one token at a time, through one cache with a
     shuffled block table: every step's logits equal the full-sequence sdpa forward."""

@@ -349,6 +349,29 @@ def _prepare_cache_for_generation(original):
     return prepare
 
 
+def _prefill(original):
+    """generate()'s prefill with an :class:`M3PagedCache`: chunked prefills
+    (``prefill_chunk_size``) run their chunks eagerly, as a one-pass prefill runs. transformers
+    would run each chunk through the compiled forward that it builds for decode steps, and on
+    CUDA that compiled prefill crashed (2026-12-04, docs/perf-log/2026-12-04.md); the decode
+    steps are compiled as before."""
+
+    def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        if generation_config.prefill_chunk_size is None or not isinstance(
+            model_kwargs.get("past_key_values"), M3PagedCache
+        ):
+            return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        eager = generation_config.disable_compile
+        generation_config.disable_compile = True  # read only by the compile decision of this call's prefill
+        try:
+            return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            generation_config.disable_compile = eager
+
+    prefill.__wrapped__ = original
+    return prefill
+
+
 def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
     """The mask generate() hands a model whose cache is compileable. With an
     :class:`M3PagedCache` under m3_sparse: the padding of the step's new tokens only
@@ -384,6 +407,7 @@ def register() -> None:
     m3.create_causal_mask = create_causal_mask
     for cls in (m3.MiniMaxM3VLForCausalLM, m3.MiniMaxM3SparseForConditionalGeneration):
         cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
+        cls._prefill = _prefill(cls._prefill)
         cls.create_masks_for_generate = _create_masks_for_generate
     tp.register()
     serving.register()
