@@ -90,6 +90,20 @@ def random_prompt(length: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(3, VOCAB - 2, (length,), generator=generator)
 
 
+def left_padded_batch(lengths, generator: torch.Generator):
+    """Random prompts of ``lengths`` tokens, left padded to the longest: (ids, mask, rows),
+    ``rows`` the unpadded prompts."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    rows = []
+    for i, n in enumerate(lengths):
+        rows.append(random_prompt(n, generator))
+        ids[i, width - n :] = rows[-1]
+        mask[i, width - n :] = 1
+    return ids, mask, rows
+
+
 def greedy(model, input_ids, attention_mask=None, new_tokens=30, **kwargs):
     return model.generate(
         input_ids=input_ids,

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import m3_hf_attention
 from m3_hf_attention import M3PagedCache
 from m3_hf_attention.compare import assert_prefill_matches_sdpa
-from model_utils import BLOCK, TOPK, greedy, random_prompt, save_tiny_text_model
+from model_utils import BLOCK, TOPK, greedy, left_padded_batch, random_prompt, save_tiny_text_model
 
 LOGIT_ATOL = 2e-4  # fp32 end to end; both paths sum the same keys in a different order
 LOGIT_TOL = LOGIT_ATOL  # the prefill check's bound: this x max(1, |logit|)
@@ -103,16 +103,9 @@ def test_generate_padded_batch_token_identical(models):
     with sdpa (transformers' own indexer anchors blocks to padded slots, so its batched
     result is not an oracle here)."""
     sparse, dense = models
-    g = torch.Generator().manual_seed(4)
     lengths = [70, 33, 51]
     width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    rows = []
-    for i, n in enumerate(lengths):
-        rows.append(random_prompt(n, g))
-        ids[i, width - n :] = rows[-1]
-        mask[i, width - n :] = 1
+    ids, mask, rows = left_padded_batch(lengths, torch.Generator().manual_seed(4))
     out = greedy(sparse, ids, mask, output_scores=True, return_dict_in_generate=True)
     for i, n in enumerate(lengths):
         ref = greedy(dense, rows[i][None], output_scores=True, return_dict_in_generate=True)
@@ -127,14 +120,7 @@ def test_generate_prefill_chunk_size_matches_one_pass(models):
     large for one forward pass needs) on a left-padded batch, with chunks that hold only
     padding for the shortest row: the tokens and scores of a one-pass prefill."""
     sparse, _ = models
-    g = torch.Generator().manual_seed(6)
-    lengths = [70, 33, 51]
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n :] = random_prompt(n, g)
-        mask[i, width - n :] = 1
+    ids, mask, _ = left_padded_batch([70, 33, 51], torch.Generator().manual_seed(6))
     kw = dict(new_tokens=12, output_scores=True, return_dict_in_generate=True)
     one = greedy(sparse, ids, mask, **kw)
     chunked = greedy(sparse, ids, mask, prefill_chunk_size=16, **kw)
