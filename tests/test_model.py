@@ -132,8 +132,8 @@ def test_generate_prefill_chunk_size_matches_one_pass(models):
 
 def test_chunked_prefill_runs_eagerly_and_decode_keeps_compiling(models, monkeypatch):
     """With an M3PagedCache, generate()'s chunked prefill asks transformers' compile decision
-    with compiling off (its chunks run eagerly, as a one-pass prefill does), and the decode
-    steps still get generate()'s own decision (disable_compile is put back)."""
+    with compiling off (its chunks run eagerly, as a one-pass prefill does); the decode steps
+    keep generate()'s own decision, which it takes before the prefill."""
     sparse, _ = models
     seen = []
 
