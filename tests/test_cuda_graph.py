@@ -141,6 +141,22 @@ def test_generate_compiles_decode_with_the_eager_tokens(model, kind):
 
 
 @torch.no_grad()
+def test_generate_chunked_prefill_with_the_one_pass_tokens(model):
+    """generate(prefill_chunk_size=16) on CUDA, the decode compiled: the tokens of a one-pass
+    prefill, for a left-padded batch whose most padded row (30 pads) starts with a chunk of
+    padding only; later chunks run the sparse kernels over a history (fp32, so a difference
+    is a fault, not a near tie)."""
+    prompt, mask = _left_padded_prompt(7)
+    steps = 30
+
+    def run(**kwargs):
+        cache = M3PagedCache(model.config, BATCH, PROMPT + steps, page_size=PAGE, device="cuda")
+        return greedy(model, prompt, mask, new_tokens=steps, past_key_values=cache, **kwargs)
+
+    assert torch.equal(run(prefill_chunk_size=16), run())
+
+
+@torch.no_grad()
 def test_compiled_decode_step_does_not_synchronize(model):
     prompt, mask = _left_padded_prompt(6)
     cache = M3PagedCache(model.config, BATCH, PROMPT + 16, page_size=PAGE, device="cuda")
