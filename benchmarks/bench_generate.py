@@ -44,8 +44,8 @@ its compiled twin at the same size (same model and prefill: the kernels are warm
 end-of-sequence token so every row generates that many (no logits processor forces it:
 generate() runs only its own per-step work, as in a user's call; the profiled call adds the
 profiler's hook). A streamer takes a timestamp (after ``torch.cuda.synchronize()``) at each
-token: TTFT is the time from the call to the first token (prefill, generate()'s setup and the cache
-allocation included); the synced decode step (``decode_ms_synced`` in the JSON) is the median
+token: TTFT is the time from the call to the first token (prefill, generate()'s setup and the
+cache allocation included); the synced decode step (``decode_ms_synced`` in the JSON) is the median
 of the intervals between tokens over the steps before the profiled ones (a median, so that a
 one-off first step, such as a graph re-recorded for a new cache, does not count). The
 streamer's synchronization keeps the host's work for a step from overlapping the GPU's, so
