@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_19c1ef3edd"
+NAMESPACE = "_m3_sparse_cpu_c047c6e119"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -239,7 +239,10 @@ def decode_max_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def runs_decode(args: AttnArgs) -> bool:
     """Whether ``sparse_attention`` runs the decode kernel (else KV-outer) for this call:
     ``args.max_seqlen_q`` (or the query count) rows per sequence at most the bound."""
-    return args.rows_per_seq <= decode_max_queries(args.q, args.k_cache, args.v_cache, args.block_size, args.out_dtype)
+    rows = args.rows_per_seq
+    if rows <= min(DECODE_MAX_QUERIES, DECODE_MAX_QUERIES_TL):
+        return True  # within either bound (decode steps): which partials kernel would run does not matter
+    return rows <= decode_max_queries(args.q, args.k_cache, args.v_cache, args.block_size, args.out_dtype)
 
 
 # --------------------------------------------------------------------------- workspace slices

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.launch import next_pow2
+from ..core.launch import launch_kernel, next_pow2
 
 
 @triton.jit
@@ -88,7 +88,8 @@ def index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps: float):
         return q_out, k_out
     # cos / sin [1 or B, S, R]: one row of angles serves every sequence when batch is 1.
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
-    _index_prep_kernel[(batch * seq, 2)](
+    launch_kernel(
+        _index_prep_kernel, (batch * seq, 2),
         q, k, q_weight, k_weight, cos, sin, q_out, k_out, seq, heads, float(eps),
         q.stride(1), q.stride(2), k.stride(1), stride_cb, cos.stride(1),
         D=d, R=cos.shape[-1], HP=next_pow2(heads), DP=next_pow2(d), BF16=q.dtype == torch.bfloat16,

@@ -66,3 +66,89 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     if device.type != "cuda":
         return cpu_default
     return _sm_count(device_index(device))
+
+
+# --------------------------------------------------------------------------- launches
+# Triton binds and specializes every argument of every call in Python before it launches
+# (tens of microseconds of host time a call, docs/perf-log/2026-12-04.md), and an eager
+# decode step makes dozens of calls. ``launch_kernel`` keeps the compiled kernel of each call
+# under a key at least as fine as Triton's own specialization and launches it directly.
+LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses a handful
+# The Triton releases whose compiled-kernel launcher ``launch_kernel`` calls directly (checked
+# on the H200 by tests/test_launch.py); other releases launch through Triton every time.
+DIRECT_LAUNCH_TRITON = ("3.6.",)
+_launch_cache: dict = {}
+
+
+def _arg_key(a):
+    """What Triton's specialization can depend on, or finer: a tensor's dtype and its address
+    modulo 16 (Triton asks whether it is 16-byte aligned); an int, bool, string or None with
+    its type and value (``True == 1``, yet Triton types them apart); a float's type only (it
+    is passed as a 32-bit float whatever its value)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15
+    if a.__class__ is float:
+        return float
+    return a.__class__, a
+
+
+def _cache_for(fn):
+    """The launch cache of ``fn``: a dict, or None where calls go through Triton itself (the
+    interpreter, a Triton without the launch interface this relies on)."""
+    if fn in _launch_cache:
+        return _launch_cache[fn]
+    import triton
+
+    cache = None
+    params = getattr(fn, "params", None)
+    if (
+        not interpreting()
+        and triton.__version__.startswith(DIRECT_LAUNCH_TRITON)
+        and params is not None
+        and all(hasattr(p, "name") and hasattr(p, "default") for p in params)
+    ):
+        cache = {}
+    _launch_cache[fn] = cache
+    return cache
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is registered: a hook function, or a chain of them (Triton's
+    ``HookChain``, present even when empty) that holds one."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+
+
+def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)`` for a Triton kernel whose non-constexpr arguments come
+    positionally and everything else as keywords.
+
+    The first call of a specialization goes through Triton, which compiles (or loads) the
+    kernel; later calls with the same key (:func:`_arg_key` of every argument, the keywords,
+    the current device) launch that kernel on the current stream directly, with the
+    arguments Triton would pass. Calls go through Triton every time under the interpreter
+    and while launch hooks (a profiler's) are set."""
+    cache = _cache_for(fn)
+    if cache is None or _hooks_set():
+        fn[grid](*args, **kwargs)
+        return
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    key = (device, tuple([_arg_key(a) for a in args]), tuple(kwargs.items()))
+    hit = cache.get(key)
+    if hit is None:
+        kernel = fn[grid](*args, **kwargs)
+        if len(cache) >= LAUNCH_CACHE_SIZE:
+            cache.clear()
+        # The bound arguments after the positional ones, in the kernel's parameter order:
+        # constexprs given as keywords, defaults for the rest (Triton passes them all).
+        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in fn.params[len(args):])
+        cache[key] = (kernel, tail)
+        return
+    kernel, tail = hit
+    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+    stream = driver.active.get_current_stream(device)
+    kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
-from ..core.launch import contiguous, next_pow2, tl_dtype
+from ..core.launch import contiguous, launch_kernel, next_pow2, tl_dtype
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args, value_checks_enabled
@@ -317,7 +317,8 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
         elif merge:
             # Zeroed by each call (and by each replay of a captured one).
             counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
-    _decode_split_kernel[(num_tokens, hkv, num_splits)](
+    launch_kernel(
+        _decode_split_kernel, (num_tokens, hkv, num_splits),
         q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens,
         o_buf, m_buf, l_buf, out,
         lse if lse is not None else out,

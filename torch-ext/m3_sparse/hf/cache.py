@@ -217,21 +217,51 @@ class M3PagedLayer(CacheLayerMixin):
             raise ValueError(f"{name}: expected a tensor on {self.keys.device}, got one on {states.device}")
 
     def _write(self, pool: torch.Tensor, states: torch.Tensor, scale: float | None = None) -> None:
-        """Scatter the step's new tokens ``states [B, H, S, D]`` into ``pool`` at the step's
-        (page, slot) of each token."""
-        page, slot = self._state("page"), self._state("slot")
+        """Scatter the step's new tokens ``states [B, H, S, ...]`` into ``pool`` at the step's
+        (page, slot) of each token (and head)."""
         # fp8 K/V, or fp8 index keys with one scale: e4m3 codes of states / scale, saturated
         # at e4m3's largest value.
         if scale is not None:
             states = to_e4m3(states, scale)
-        if pool.dim() == 4:  # K/V: [pages, H, page_size, D]
-            # Indices into the pool's own dimensions, not a permuted view of it: a compiled
-            # step then scatters in place. Through a view, inductor rebuilt the whole pool and
-            # copied it back on every write (docs/perf-log/2026-12-03.md).
-            values = states.transpose(1, 2).to(pool.dtype)  # [B, S, H, D]
-            pool.index_put_((page[..., None], self._heads, slot[..., None]), values)
-        else:  # index keys: [pages, page_size, D], one shared head
-            pool.index_put_((page, slot), states[:, 0].to(pool.dtype))
+        # K/V [pages, H, page_size, D] from [B, H, S, D]; index keys [pages, page_size, D] or
+        # their scales [pages, page_size] from one shared head [B, 1, S, D] / [B, 1, S].
+        kv = pool.dim() == 4
+        values = states.transpose(1, 2) if kv else states[:, 0]  # [B, S, H, D] / [B, S, D] / [B, S]
+        if torch.compiler.is_compiling():
+            # Indices into the pool's own dimensions, not a view of it: a compiled step then
+            # scatters in place. Through a view, inductor rebuilt the whole pool and copied it
+            # back on every write (docs/perf-log/2026-12-03.md).
+            page, slot = self._state("page"), self._state("slot")
+            index = (page[..., None], self._heads, slot[..., None]) if kv else (page, slot)
+            pool.index_put_(index, values.to(pool.dtype))
+            return
+        # Eager: one row index per token (and head) into the pool seen as rows of D values,
+        # computed once per step for every layer. index_copy_ costs the host far less than
+        # index_put_'s broadcast of three index tensors, once per layer and step.
+        rows = self._rows(pool.shape[1] if kv else 0)
+        flat = pool.view(-1, *pool.shape[3 if kv else 2:])
+        values = values.reshape(-1, *flat.shape[1:]).to(pool.dtype)
+        if pool.element_size() == 1:  # fp8: index_copy_ takes no float8 dtype; the bytes are the same
+            flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+        flat.index_copy_(0, rows, values)
+
+    def _rows(self, heads: int) -> torch.Tensor:
+        """Flat row of each new token in a pool of ``heads`` heads ([pages, H, page_size, D]
+        seen as ``[-1, D]``, token-major then head, as ``_write`` lays out the values), or with
+        ``heads=0`` in the index-key pool ([pages, page_size, D]) and its scales; cached for
+        the step."""
+        copies = self.cache._step["copies"]
+        key = ("rows", heads, self.keys.device)
+        rows = copies.get(key)
+        if rows is None:
+            page, slot = self._state("page"), self._state("slot")  # [B, S]
+            page_size = self.cache.page_size
+            if heads:
+                rows = (page[..., None] * heads + self._heads) * page_size + slot[..., None]  # [B, S, H]
+            else:
+                rows = page * page_size + slot
+            rows = copies[key] = rows.reshape(-1)
+        return rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -274,11 +304,10 @@ class M3PagedLayer(CacheLayerMixin):
         elif self.cache.index_k_scale is not None:
             self._write(self.index_keys, index_keys, self.cache.index_k_scale)
         else:
-            codes, scales = quantize_index_keys(index_keys[:, 0])
+            codes, scales = quantize_index_keys(index_keys)  # [B, 1, S, Di], [B, 1, S]
             # Same (page, slot) for codes and scales: leading pads land on the scratch page for both.
-            page, slot = self._state("page"), self._state("slot")
-            self.index_keys.index_put_((page, slot), codes)
-            self.index_scales.index_put_((page, slot), scales)
+            self._write(self.index_keys, codes)
+            self._write(self.index_scales, scales)
         step["indexed"][self.layer_idx] = True
         return self.index_keys
 

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ..core.args import IndexArgs
 from ..core.interpreter import dot, to_e4m3
-from ..core.launch import interpreting, next_pow2
+from ..core.launch import interpreting, launch_kernel, next_pow2
 from .plan import DEFAULT_CONFIG, KEY_MAJOR_STAGES, IndexConfig, IndexPlan, metadata
 
 @triton.jit
@@ -409,7 +409,8 @@ def launch(args: IndexArgs, p: IndexPlan, cfg: IndexConfig = DEFAULT_CONFIG) -> 
     # The interpreter takes no register cap.
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
     scale_t = scale if scale is not None else k  # a placeholder pointer when unused
-    _index_topk_kernel[(p.tiles, p.num_splits)](
+    launch_kernel(
+        _index_topk_kernel, (p.tiles, p.num_splits),
         q, k, scale_t, bt, cu, kv, out, ws_val, ws_id,
         k.stride(0), k.stride(1), scale_t.stride(0), bt.stride(0),
         batch, p.num_splits,
@@ -426,7 +427,8 @@ def launch(args: IndexArgs, p: IndexPlan, cfg: IndexConfig = DEFAULT_CONFIG) -> 
         # Few rows per program: the merge is a chain of dependent reductions, so
         # its time is latency, and more programs hide more of it.
         rb = max(1, min(16, 1024 // nc))
-        _merge_kernel[(triton.cdiv(total_rows, rb),)](
+        launch_kernel(
+            _merge_kernel, (triton.cdiv(total_rows, rb),),
             ws_val, ws_id, out, cu, kv,
             total_rows, batch, p.num_splits,
             H=heads, BLOCK=args.block_size, TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,

@@ -1,0 +1,134 @@
+"""``core.launch.launch_kernel``: a kernel launched directly after its first call gives what a
+launch through Triton gives, and a call Triton would specialize differently (another dtype,
+an unaligned address, an int of another value or type) never reuses another call's kernel.
+
+The key is checked on the CPU; the launches on a CUDA device (the decode kernel, with the
+direct path on and off, an unaligned query and a profiler's launch hook)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import m3_sparse  # noqa: E402
+from kernel_test_utils import gen, randn  # noqa: E402
+from m3_sparse.core import launch  # noqa: E402
+from m3_sparse.decode.plan import DecodeConfig  # noqa: E402
+
+
+def test_key_separates_what_triton_specializes():
+    key = launch._arg_key
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    assert key(buf) == key(torch.zeros(8, dtype=torch.bfloat16))
+    assert key(buf) != key(buf[1:])  # 2 bytes off: not 16-byte aligned
+    assert key(buf) != key(buf.float())
+    assert key(True) != key(1) and key(1) != key(16) and key(None) != key(0)
+    assert key(0.5) == key(2.0)  # passed as fp32 whatever the value
+
+
+def test_interpreter_launches_through_triton(monkeypatch):
+    calls = []
+
+    class Kernel:
+        params = ()
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fn = Kernel()
+    launch.launch_kernel(fn, (3,), 1, X=2)
+    launch.launch_kernel(fn, (3,), 1, X=2)
+    assert calls == [((3,), (1,), {"X": 2})] * 2
+    assert launch._launch_cache.pop(fn) is None
+
+
+def test_hooks_are_seen_in_either_form(monkeypatch):
+    knobs = pytest.importorskip("triton").knobs
+    hook = lambda metadata: None  # noqa: E731
+
+    class Chain:  # Triton's HookChain: present even when it holds no hook
+        def __init__(self, calls):
+            self.calls = calls
+
+    for enter, exit_, registered in ((None, None, False), (Chain([]), Chain([]), False), (Chain([hook]), None, True),
+                                     (None, hook, True)):
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", enter)
+        monkeypatch.setattr(knobs.runtime, "launch_exit_hook", exit_)
+        assert launch._hooks_set() is registered
+
+
+def _decode_call(seed, q_offset=0):
+    """A decode batch (2 sequences, one query each, ragged lengths, -1 slots) on the GPU."""
+    g = gen(seed)
+    hq, hkv, d, ps, topk = 8, 2, 64, 16, 4
+    kv_lens = [45, 30]
+    pages = 8
+    k = randn(g, pages, hkv, ps, d, dtype=torch.bfloat16)
+    v = randn(g, pages, hkv, ps, d, dtype=torch.bfloat16)
+    tables = torch.randperm(pages, generator=g).to(torch.int32).view(2, 4)
+    q = randn(g, 2 * hq * d + q_offset, dtype=torch.bfloat16)
+    selected = torch.tensor([[[0, 2, -1, 1], [2, -1, -1, 0]], [[1, 0, -1, -1], [-1, 1, 0, -1]]], dtype=torch.int32)
+    cu = torch.arange(3, dtype=torch.int32)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    q, k, v, tables, selected, cu, lens = (t.cuda() for t in (q, k, v, tables, selected, cu, lens))
+    q = q[q_offset:].view(2, hq, d)  # offset on the device: q_offset elements past an aligned start
+    return dict(q=q, k_cache=k, v_cache=v, selected=selected, block_tables=tables, cu_seqlens_q=cu, used_kv_lens=lens)
+
+
+def _decode(call, impl="triton"):
+    out, _ = m3_sparse.sparse_decode_attention(**call, block_size=16, config=DecodeConfig(impl=impl, num_splits=2))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_direct_launches_match_triton_launches(monkeypatch):
+    from m3_sparse.decode import attention_triton
+
+    kernel = attention_triton._decode_split_kernel
+    direct = launch._cache_for(kernel) is not None
+    call = _decode_call(0)
+    ref = _decode(call, impl="torch")
+    first, again = _decode(call), _decode(call)  # the second launch is direct where supported
+    if direct:
+        assert launch._launch_cache[kernel], "the decode call was not kept for direct launches"
+    unaligned = _decode_call(0, q_offset=1)
+    assert unaligned["q"].data_ptr() % 16
+    got_unaligned = [_decode(unaligned) for _ in range(2)]
+
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_TRITON", ())
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    through_triton = _decode(call)
+    assert launch._cache_for(kernel) is None
+    assert torch.equal(first, through_triton) and torch.equal(again, through_triton)
+    torch.testing.assert_close(first.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    for out in got_unaligned:
+        assert torch.equal(out, _decode(unaligned))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_launch_hooks_see_every_launch(monkeypatch):
+    from triton import knobs
+
+    call = _decode_call(1)
+    ref = _decode(call)
+    _decode(call)
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "calls"):  # a HookChain: the hook in its list
+        monkeypatch.setattr(chain, "calls", [hook])
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    out = _decode(call)
+    torch.cuda.synchronize()
+    assert seen, "a profiler's launch hook was bypassed"
+    assert torch.equal(out, ref)
