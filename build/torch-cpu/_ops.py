@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_c047c6e119"
+NAMESPACE = "_m3_sparse_cpu_a336518d87"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -75,7 +75,7 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
 # under a key at least as fine as Triton's own specialization and launches it directly.
 LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses a handful
 # The Triton releases whose compiled-kernel launcher ``launch_kernel`` calls directly (checked
-# on the H200 by tests/test_launch.py); other releases launch through Triton every time.
+# on the H200 by tests/kernels/test_launch.py); other releases launch through Triton every time.
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 _launch_cache: dict = {}
 

@@ -1,0 +1,173 @@
+"""Host time of an eager generate() decode step, layer by layer: m3_sparse against its dense
+twin, and m3_sparse with every kernel launched through Triton (``core.launch``'s direct
+launches off), in turn on one machine.
+
+    python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k
+    python3 benchmarks/bench_host.py --quick          # CPU smoke run (torch path, toy model)
+
+Each repetition runs every configuration once, one after the other, so a host whose speed
+drifts during the run drifts for all of them alike: an eager generate() of ``--new-tokens``
+and one of 2 tokens, both without a logits processor; a steady step is their difference
+over ``--new-tokens - 2`` (the prompt's prefill and the first step cancel). Every decoder
+layer's forward is timed on the host with ``perf_counter`` around it; a layer's figure is
+the same difference per step and layer. The table gives medians over ``--reps``; the
+sparse layer's extra is its host time less the dense twin's layer (a full-attention layer
+over a static cache with sdpa). Rows go to ``<out>/bench_host.json``; the last thing printed
+is a markdown table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import common
+
+import torch  # noqa: E402
+from transformers import StaticCache  # noqa: E402
+from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3  # noqa: E402
+
+import bench_generate as bg  # noqa: E402
+import m3_hf_attention  # noqa: E402,F401  (registers m3_sparse)
+from m3_hf_attention._kernel import kernel_module  # noqa: E402
+
+CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-triton-launches")
+
+
+def parse_args(argv=None):
+    p = common.parser(__doc__, sizes=None, sizes_help="")
+    p.add_argument("--sizes", default=None, help="one prompt shape, k = 1024, BxN for a batch (default 2k; --quick 64)")
+    p.add_argument("--quick", action="store_true", help="toy shapes on the CPU")
+    p.add_argument("--layers", default="sssfsssfsssf", help="layer pattern, s = sparse, f = full (default sssfsssfsssf)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens of the long call (default 42; --quick 6)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (default 5; --quick 1)")
+    args = p.parse_args(argv)
+    args.sizes = args.sizes or ("64" if args.quick else "2k")
+    args.new_tokens = args.new_tokens or (6 if args.quick else 42)
+    args.reps = args.reps or (1 if args.quick else 5)
+    if args.new_tokens < 3:
+        p.error("--new-tokens: at least 3 (a steady step is measured against a call of 2)")
+    return args
+
+
+@contextmanager
+def layer_clock(totals: dict):
+    """Host seconds of every decoder layer's forward, summed under "sparse" and "full"."""
+    original = m3.MiniMaxM3VLDecoderLayer.forward
+
+    def forward(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            kind = "sparse" if getattr(self.self_attn, "indexer", None) is not None else "full"
+            totals[kind] = totals.get(kind, 0.0) + time.perf_counter() - t
+
+    m3.MiniMaxM3VLDecoderLayer.forward = forward
+    try:
+        yield
+    finally:
+        m3.MiniMaxM3VLDecoderLayer.forward = original
+
+
+@contextmanager
+def direct_launches(on: bool):
+    """``core.launch``'s direct launches on (its default) or off, its caches emptied when changed."""
+    launch = kernel_module("core.launch")
+    releases = launch.DIRECT_LAUNCH_TRITON
+    if not on:
+        launch.DIRECT_LAUNCH_TRITON = ()
+        launch._launch_cache.clear()
+    try:
+        yield
+    finally:
+        if not on:
+            launch.DIRECT_LAUNCH_TRITON = releases
+            launch._launch_cache.clear()
+
+
+def timed_call(model, ids, mask, new_tokens: int, dense: bool, device) -> tuple[float, dict]:
+    """(host seconds of one eager generate() call, its layers' host seconds by kind)."""
+    extra = {"disable_compile": True}
+    if dense:
+        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+    totals: dict = {}
+    common.sync(device)
+    with layer_clock(totals):
+        t = time.perf_counter()
+        bg.generate(model, ids, mask, new_tokens, extra)
+        common.sync(device)
+        return time.perf_counter() - t, totals
+
+
+def measure(args) -> list[dict]:
+    quick = args.quick
+    gen_args = bg.parse_args((["--quick"] if quick else []) + ["--layers", args.layers, "--sizes", args.sizes])
+    shape = bg.parse_sizes(args.sizes)[0]
+    models = bg.build_models(gen_args, args.layers, torch.float32 if quick else torch.bfloat16)
+    models["sparse"].set_attn_implementation("m3_sparse")
+    ids, mask = bg.make_prompt(shape, gen_args.vocab, 0, gen_args.device)
+    device = torch.device(gen_args.device)
+    steps = args.new_tokens - 2
+    samples = {c: {"step": [], "sparse": [], "full": []} for c in CONFIGS}
+    for rep in range(args.reps + 1):  # the first round warms every configuration up
+        for config in CONFIGS:
+            dense = config.startswith("dense")
+            model = models["dense" if dense else "sparse"]
+            with direct_launches(not config.endswith("triton-launches")):
+                short, short_layers = timed_call(model, ids, mask, 2, dense, device)
+                long, long_layers = timed_call(model, ids, mask, args.new_tokens, dense, device)
+            if rep == 0:
+                continue
+            samples[config]["step"].append((long - short) / steps)
+            for kind in ("sparse", "full"):
+                count = args.layers.count(kind[0]) if not dense else (len(args.layers) if kind == "full" else 0)
+                if count:
+                    per = (long_layers.get(kind, 0.0) - short_layers.get(kind, 0.0)) / steps / count
+                    samples[config][kind].append(per)
+    ms = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
+    dense_layer = ms(samples["dense-eager"]["full"])
+    rows = []
+    for config in CONFIGS:
+        s = samples[config]
+        sparse = ms(s["sparse"])
+        rows.append({
+            "config": config, "step_ms": ms(s["step"]), "sparse_layer_ms": sparse, "full_layer_ms": ms(s["full"]),
+            "sparse_extra_ms": None if sparse is None or dense_layer is None else sparse - dense_layer,
+        })
+    return rows
+
+
+def table(rows: list[dict], args) -> list[str]:
+    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = [
+        "| layers | context | config | step host ms | sparse layer ms | full layer ms | sparse layer - dense twin layer ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | {f(r['step_ms'])} | {f(r['sparse_layer_ms'])} | "
+                     f"{f(r['full_layer_ms'])} | {f(r['sparse_extra_ms'])} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = common.Log()
+    results = common.start_run("bench_host", args.out, "eager decode host time per step and layer", log)
+    log(f"layers {args.layers}, size {args.sizes}, new tokens {args.new_tokens}, reps {args.reps}")
+    rows = measure(args)
+    for r in rows:
+        results.add(f"{args.layers} {args.sizes}", r["step_ms"], what=r["config"], sizes={"size": args.sizes},
+                    baseline="dense-eager", baseline_ms=rows[0]["step_ms"], sparse_layer_ms=r["sparse_layer_ms"],
+                    full_layer_ms=r["full_layer_ms"], sparse_extra_ms=r["sparse_extra_ms"], reps=args.reps,
+                    new_tokens=args.new_tokens)
+    results.write()
+    for line in table(rows, args):
+        log(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

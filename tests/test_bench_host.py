@@ -1,0 +1,67 @@
+"""benchmarks/bench_host.py on the CPU: the smoke run writes a row per configuration with
+every figure, the layer clock sums each decoder layer by kind and restores the forward it
+wraps, and the direct-launch switch restores the launcher. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_host  # noqa: E402
+
+
+def test_quick_run_writes_every_configuration(tmp_path):
+    assert bench_host.main(["--quick", "--out", str(tmp_path), "--new-tokens", "4"]) == 0
+    rows = json.loads((tmp_path / "bench_host.json").read_text())
+    assert [r["what"] for r in rows] == list(bench_host.CONFIGS)
+    for r in rows:
+        sparse_layers = r["what"].startswith("m3_sparse")
+        metrics = r["metrics"]
+        assert isinstance(r["ms"], float) and isinstance(metrics["full_layer_ms"], float)
+        assert isinstance(metrics["sparse_layer_ms"], float) == sparse_layers
+        assert isinstance(metrics["sparse_extra_ms"], float) == sparse_layers
+        assert r["baseline"] == "dense-eager" and metrics["reps"] == 1
+
+
+def test_layer_clock_sums_layers_by_kind_and_restores_forward():
+    original = m3.MiniMaxM3VLDecoderLayer.forward
+
+    class Attn(torch.nn.Module):
+        def __init__(self, sparse):
+            super().__init__()
+            self.indexer = torch.nn.Identity() if sparse else None
+
+    layers = []
+    for sparse in (True, False, True):
+        layer = m3.MiniMaxM3VLDecoderLayer.__new__(m3.MiniMaxM3VLDecoderLayer)
+        torch.nn.Module.__init__(layer)
+        layer.self_attn = Attn(sparse)
+        layers.append(layer)
+    calls = []
+    m3.MiniMaxM3VLDecoderLayer.forward = lambda self, *a, **k: calls.append(self)
+    try:
+        totals = {}
+        with bench_host.layer_clock(totals):
+            for layer in layers:
+                m3.MiniMaxM3VLDecoderLayer.forward(layer)
+        assert calls == layers and set(totals) == {"sparse", "full"}
+        assert all(v >= 0 for v in totals.values())
+    finally:
+        m3.MiniMaxM3VLDecoderLayer.forward = original
+
+
+def test_direct_launch_switch_restores_the_launcher():
+    launch = bench_host.kernel_module("core.launch")
+    releases = launch.DIRECT_LAUNCH_TRITON
+    with bench_host.direct_launches(False):
+        assert launch.DIRECT_LAUNCH_TRITON == ()
+    assert launch.DIRECT_LAUNCH_TRITON == releases
+    with bench_host.direct_launches(True):
+        assert launch.DIRECT_LAUNCH_TRITON == releases
