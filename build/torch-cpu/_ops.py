@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_a336518d87"
+NAMESPACE = "_m3_sparse_cpu_ef25cb8064"
 
 ops = getattr(torch.ops, NAMESPACE)
 

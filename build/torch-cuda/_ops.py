@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_a336518d87"
+NAMESPACE = "_m3_sparse_cuda_ef25cb8064"
 
 ops = getattr(torch.ops, NAMESPACE)
 

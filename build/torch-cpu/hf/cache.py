@@ -250,9 +250,9 @@ class M3PagedLayer(CacheLayerMixin):
         seen as ``[-1, D]``, token-major then head, as ``_write`` lays out the values), or with
         ``heads=0`` in the index-key pool ([pages, page_size, D]) and its scales; cached for
         the step."""
-        copies = self.cache._step["copies"]
-        key = ("rows", heads, self.keys.device)
-        rows = copies.get(key)
+        cached = self.cache._step["rows"]
+        key = (heads, self.keys.device)
+        rows = cached.get(key)
         if rows is None:
             page, slot = self._state("page"), self._state("slot")  # [B, S]
             page_size = self.cache.page_size
@@ -260,7 +260,7 @@ class M3PagedLayer(CacheLayerMixin):
                 rows = (page[..., None] * heads + self._heads) * page_size + slot[..., None]  # [B, S, H]
             else:
                 rows = page * page_size + slot
-            rows = copies[key] = rows.reshape(-1)
+            rows = cached[key] = rows.reshape(-1)
         return rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -542,7 +542,7 @@ class M3PagedCache(Cache):
     # in place, so a step captured in a CUDA graph keeps advancing them on every replay. A
     # step (``_step``) holds what every layer's write needs: each new token's (page, slot)
     # and the step's cu_seqlens, computed once per forward pass, with copies for layers on
-    # other devices (device_map) made on first use.
+    # other devices (device_map) and the flat rows of eager writes made on first use.
     _STATE = ("seq_lens", "step_kv_lens", "pending", "slots")
 
     def begin_step(self, attention_mask: torch.Tensor | None, q_len: int, device=None) -> None:
@@ -586,7 +586,7 @@ class M3PagedCache(Cache):
         cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
         layers = len(self.layers)
         self._step = {
-            "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {},
+            "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {}, "rows": {},
             "updated": [False] * layers, "indexed": [False] * layers,
         }
 
