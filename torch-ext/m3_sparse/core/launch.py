@@ -78,25 +78,34 @@ LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses 
 # on the H200 by tests/kernels/test_launch.py); other releases launch through Triton every time.
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 _launch_cache: dict = {}
+_UNSEEN = object()
+_runtime_knobs = None  # triton.knobs.runtime, looked up once
+
+
+def _args_key(args: tuple) -> tuple:
+    """What Triton's specialization can depend on, or finer, for every argument: a tensor's
+    dtype and its address modulo 16 (Triton asks whether it is 16-byte aligned); an int,
+    bool, string or None with its type and value (``True == 1``, yet Triton types them
+    apart); a float's type only (it is passed as a 32-bit float whatever its value). One
+    comprehension, no call per argument: a decode launch has about forty arguments."""
+    tensor = torch.Tensor
+    return tuple([
+        (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor) else float if a.__class__ is float else (a.__class__, a)
+        for a in args
+    ])
 
 
 def _arg_key(a):
-    """What Triton's specialization can depend on, or finer: a tensor's dtype and its address
-    modulo 16 (Triton asks whether it is 16-byte aligned); an int, bool, string or None with
-    its type and value (``True == 1``, yet Triton types them apart); a float's type only (it
-    is passed as a 32-bit float whatever its value)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15
-    if a.__class__ is float:
-        return float
-    return a.__class__, a
+    """:func:`_args_key` of one argument."""
+    return _args_key((a,))[0]
 
 
 def _cache_for(fn):
     """The launch cache of ``fn``: a dict, or None where calls go through Triton itself (the
     interpreter, a Triton without the launch interface this relies on)."""
-    if fn in _launch_cache:
-        return _launch_cache[fn]
+    cache = _launch_cache.get(fn, _UNSEEN)
+    if cache is not _UNSEEN:
+        return cache
     import triton
 
     cache = None
@@ -115,10 +124,24 @@ def _cache_for(fn):
 def _hooks_set() -> bool:
     """Whether a launch hook is registered: a hook function, or a chain of them (Triton's
     ``HookChain``, present even when empty) that holds one."""
-    from triton import knobs
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        from triton import knobs
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+        _runtime_knobs = knobs.runtime
+    for h in (_runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook):
+        if h is not None and bool(getattr(h, "calls", True)):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_calls():
+    """Triton's active driver's (current device, current stream) calls, bound once: the
+    driver is a lazy proxy whose lookups cost host time on every launch."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device, driver.active.get_current_stream
 
 
 def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
@@ -126,7 +149,7 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
     positionally and everything else as keywords.
 
     The first call of a specialization goes through Triton, which compiles (or loads) the
-    kernel; later calls with the same key (:func:`_arg_key` of every argument, the keywords,
+    kernel; later calls with the same key (:func:`_args_key` of the arguments, the keywords,
     the current device) launch that kernel on the current stream directly, with the
     arguments Triton would pass. Calls go through Triton every time under the interpreter
     and while launch hooks (a profiler's) are set."""
@@ -134,10 +157,9 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
     if cache is None or _hooks_set():
         fn[grid](*args, **kwargs)
         return
-    from triton.runtime.driver import driver
-
-    device = driver.active.get_current_device()
-    key = (device, tuple([_arg_key(a) for a in args]), tuple(kwargs.items()))
+    current_device, current_stream = _driver_calls()
+    device = current_device()
+    key = (device, _args_key(args), tuple(kwargs.items()))
     hit = cache.get(key)
     if hit is None:
         kernel = fn[grid](*args, **kwargs)
@@ -150,5 +172,6 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
         return
     kernel, tail = hit
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-    stream = driver.active.get_current_stream(device)
+    stream = current_stream(device)
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+

@@ -119,11 +119,17 @@ def every_block_selected(slots: "int | M3PagedLayer", topk: int, block_size: int
     """
     if torch.compiler.is_compiling():
         return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
     if isinstance(slots, M3PagedLayer):
+        if _capturing():  # before slots_used: after compiled steps its first read copies a count back
+            return False
         slots = slots.slots_used
-    return -(-slots // block_size) <= topk
+    if -(-slots // block_size) > topk:
+        return False  # a long history: the answer of every decode step past the first blocks
+    return not _capturing()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch.Tensor:

@@ -239,11 +239,24 @@ class M3PagedLayer(CacheLayerMixin):
         # computed once per step for every layer. index_copy_ costs the host far less than
         # index_put_'s broadcast of three index tensors, once per layer and step.
         rows = self._rows(pool.shape[1] if kv else 0)
-        flat = pool.view(-1, *pool.shape[3 if kv else 2:])
+        flat = self._flat(pool)
         values = values.reshape(-1, *flat.shape[1:]).to(pool.dtype)
         if pool.element_size() == 1:  # fp8: index_copy_ takes no float8 dtype; the bytes are the same
-            flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+            values = values.view(torch.uint8)
         flat.index_copy_(0, rows, values)
+
+    def _flat(self, pool: torch.Tensor) -> torch.Tensor:
+        """``pool`` seen as rows of its last dim (fp8 pools as bytes), made once per pool: a
+        view costs host time, and every layer writes three or four pools at every step."""
+        flats = self.__dict__.setdefault("_flats", [])
+        for seen, flat in flats:
+            if seen is pool:
+                return flat
+        flat = pool.view(-1, *pool.shape[3 if pool.dim() == 4 else 2:])
+        if pool.element_size() == 1:
+            flat = flat.view(torch.uint8)
+        flats.append((pool, flat))
+        return flat
 
     def _rows(self, heads: int) -> torch.Tensor:
         """Flat row of each new token in a pool of ``heads`` heads ([pages, H, page_size, D]
