@@ -3,6 +3,7 @@ twin, and m3_sparse with every kernel launched through Triton (``core.launch``'s
 launches off), in turn on one machine.
 
     python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k
+    python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k --pieces
     python3 benchmarks/bench_host.py --quick          # CPU smoke run (torch path, toy model)
 
 Each repetition runs every configuration once, one after the other, so a host whose speed
@@ -14,6 +15,12 @@ the same difference per step and layer. The table gives medians over ``--reps``;
 sparse layer's extra is its host time less the dense twin's layer (a full-attention layer
 over a static cache with sdpa). Rows go to ``<out>/bench_host.json``; the last thing printed
 is a markdown table.
+
+``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
+sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``,
+``index_topk``, ``sparse_attention``, the attention function) and the dense twin's attention
+function, each recorded with its arguments and repeated alone (none of them writes the
+cache); host microseconds a call, the median of ``--reps`` rounds of ``PIECE_CALLS`` calls.
 """
 
 from __future__ import annotations
@@ -27,13 +34,17 @@ import common
 
 import torch  # noqa: E402
 from transformers import StaticCache  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3  # noqa: E402
 
 import bench_generate as bg  # noqa: E402
-import m3_hf_attention  # noqa: E402,F401  (registers m3_sparse)
+import m3_hf_attention  # noqa: E402  (registers m3_sparse)
 from m3_hf_attention._kernel import kernel_module  # noqa: E402
 
 CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-triton-launches")
+PIECE_OPS = ("index_prep", "index_topk", "sparse_attention")
+PIECE_CALLS = 200
+M3_FUNCTION = "attention function (m3_sparse)"
 
 
 def parse_args(argv=None):
@@ -43,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", default="sssfsssfsssf", help="layer pattern, s = sparse, f = full (default sssfsssfsssf)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens of the long call (default 42; --quick 6)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (default 5; --quick 1)")
+    p.add_argument("--pieces", action="store_true", help="also time each op call of a sparse layer's step alone")
     args = p.parse_args(argv)
     args.sizes = args.sizes or ("64" if args.quick else "2k")
     args.new_tokens = args.new_tokens or (6 if args.quick else 42)
@@ -88,11 +100,14 @@ def direct_launches(on: bool):
             launch._launch_cache.clear()
 
 
-def timed_call(model, ids, mask, new_tokens: int, dense: bool, device) -> tuple[float, dict]:
-    """(host seconds of one eager generate() call, its layers' host seconds by kind)."""
+def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=None) -> tuple[float, dict]:
+    """(host seconds of one eager generate() call, its layers' host seconds by kind); ``cache``:
+    the m3_sparse model's cache (default: generate()'s own)."""
     extra = {"disable_compile": True}
     if dense:
         extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+    elif cache is not None:
+        extra["past_key_values"] = cache
     totals: dict = {}
     common.sync(device)
     with layer_clock(totals):
@@ -102,14 +117,16 @@ def timed_call(model, ids, mask, new_tokens: int, dense: bool, device) -> tuple[
         return time.perf_counter() - t, totals
 
 
-def measure(args) -> list[dict]:
-    quick = args.quick
-    gen_args = bg.parse_args((["--quick"] if quick else []) + ["--layers", args.layers, "--sizes", args.sizes])
-    shape = bg.parse_sizes(args.sizes)[0]
-    models = bg.build_models(gen_args, args.layers, torch.float32 if quick else torch.bfloat16)
+def setup(args):
+    """(the sparse model on m3_sparse and its dense twin, prompt ids, mask, device)."""
+    gen_args = bg.parse_args((["--quick"] if args.quick else []) + ["--layers", args.layers, "--sizes", args.sizes])
+    models = bg.build_models(gen_args, args.layers, torch.float32 if args.quick else torch.bfloat16)
     models["sparse"].set_attn_implementation("m3_sparse")
-    ids, mask = bg.make_prompt(shape, gen_args.vocab, 0, gen_args.device)
-    device = torch.device(gen_args.device)
+    ids, mask = bg.make_prompt(bg.parse_sizes(args.sizes)[0], gen_args.vocab, 0, gen_args.device)
+    return models, ids, mask, torch.device(gen_args.device)
+
+
+def measure(args, models, ids, mask, device) -> list[dict]:
     steps = args.new_tokens - 2
     samples = {c: {"step": [], "sparse": [], "full": []} for c in CONFIGS}
     for rep in range(args.reps + 1):  # the first round warms every configuration up
@@ -140,6 +157,82 @@ def measure(args) -> list[dict]:
     return rows
 
 
+@contextmanager
+def recorded_calls(calls: dict, armed: list):
+    """While ``armed[0]``, keep the first call (function, args, kwargs) of each piece: the ops of
+    ``PIECE_OPS`` and the attention functions of m3_sparse and sdpa."""
+    api = kernel_module("api")
+    registry = ALL_ATTENTION_FUNCTIONS._global_mapping
+    patched = [(api, name, getattr(api, name)) for name in PIECE_OPS]
+    patched += [(registry, impl, registry[impl]) for impl in ("m3_sparse", "sdpa")]
+
+    def recording(label, fn):
+        def call(*a, **k):
+            # m3_sparse's attention function: a sparse layer's call (it has selections).
+            if armed[0] and label not in calls and (label != M3_FUNCTION or k.get("block_indices") is not None):
+                calls[label] = (fn, a, k)
+            return fn(*a, **k)
+
+        call.__dict__.update(fn.__dict__)  # markers such as is_m3_sparse_attention
+        return call
+
+    for owner, name, fn in patched:
+        label = name if owner is api else f"attention function ({name})"
+        if owner is api:
+            setattr(api, name, recording(label, fn))
+        else:
+            owner[name] = recording(label, fn)
+    try:
+        yield
+    finally:
+        for owner, name, fn in patched:
+            if owner is api:
+                setattr(api, name, fn)
+            else:
+                owner[name] = fn
+
+
+def record_pieces(models, ids, mask, device) -> tuple[dict, object]:
+    """The pieces' calls in the third forward pass (a decode step) of an eager generate() of
+    each model: the first sparse layer's, and the dense twin's first layer's; and the sparse
+    model's cache, which the caller keeps while it repeats them (the cache layers that the
+    attention function reads hold it by a weak reference)."""
+    calls: dict = {}
+    new_tokens = 4
+    cache = m3_hf_attention.M3PagedCache(models["sparse"].config, ids.shape[0], ids.shape[1] + new_tokens)
+    for name, model in (("sparse", models["sparse"]), ("dense", models["dense"])):
+        armed, forwards = [False], [0]
+
+        def count(module, args, kwargs, armed=armed, forwards=forwards):
+            forwards[0] += 1
+            armed[0] = forwards[0] == 3
+
+        hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            with recorded_calls(calls, armed):
+                timed_call(model, ids, mask, new_tokens, name == "dense", device, cache)
+        finally:
+            hook.remove()
+    return calls, cache
+
+
+def time_pieces(calls: dict, reps: int, device) -> list[dict]:
+    """Host microseconds a call of each recorded piece: median of ``reps`` rounds."""
+    rows = []
+    for label, (fn, a, k) in calls.items():
+        fn(*a, **k)
+        common.sync(device)
+        rounds = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(PIECE_CALLS):
+                fn(*a, **k)
+            rounds.append((time.perf_counter() - t) / PIECE_CALLS * 1e6)
+            common.sync(device)
+        rows.append({"piece": label, "us": statistics.median(rounds)})
+    return rows
+
+
 def table(rows: list[dict], args) -> list[str]:
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = [
@@ -157,13 +250,27 @@ def main(argv=None) -> int:
     log = common.Log()
     results = common.start_run("bench_host", args.out, "eager decode host time per step and layer", log)
     log(f"layers {args.layers}, size {args.sizes}, new tokens {args.new_tokens}, reps {args.reps}")
-    rows = measure(args)
+    models, ids, mask, device = setup(args)
+    rows = measure(args, models, ids, mask, device)
+    pieces = []
+    if args.pieces:
+        calls, _cache = record_pieces(models, ids, mask, device)
+        pieces = time_pieces(calls, args.reps, device)
     for r in rows:
         results.add(f"{args.layers} {args.sizes}", r["step_ms"], what=r["config"], sizes={"size": args.sizes},
                     baseline="dense-eager", baseline_ms=rows[0]["step_ms"], sparse_layer_ms=r["sparse_layer_ms"],
                     full_layer_ms=r["full_layer_ms"], sparse_extra_ms=r["sparse_extra_ms"], reps=args.reps,
                     new_tokens=args.new_tokens)
+    for piece in pieces:
+        results.add(f"{args.layers} {args.sizes}", piece["us"] / 1e3, what=f"piece: {piece['piece']}",
+                    sizes={"size": args.sizes}, calls=PIECE_CALLS, reps=args.reps)
     results.write()
+    if pieces:
+        log("| piece (one decode step, first sparse layer; the dense twin's first layer) | host us a call |")
+        log("|---|---|")
+        for piece in pieces:
+            log(f"| {piece['piece']} | {piece['us']:.1f} |")
+        log("")
     for line in table(rows, args):
         log(line)
     return 0
