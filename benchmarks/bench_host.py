@@ -25,6 +25,7 @@ cache); host microseconds a call, the median of ``--reps`` rounds of ``PIECE_CAL
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -34,7 +35,7 @@ import common
 
 import torch  # noqa: E402
 from transformers import StaticCache  # noqa: E402
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # noqa: E402
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3  # noqa: E402
 
 import bench_generate as bg  # noqa: E402
@@ -162,9 +163,10 @@ def recorded_calls(calls: dict, armed: list):
     """While ``armed[0]``, keep the first call (function, args, kwargs) of each piece: the ops of
     ``PIECE_OPS`` and the attention functions of m3_sparse and sdpa."""
     api = kernel_module("api")
-    registry = ALL_ATTENTION_FUNCTIONS._global_mapping
-    patched = [(api, name, getattr(api, name)) for name in PIECE_OPS]
-    patched += [(registry, impl, registry[impl]) for impl in ("m3_sparse", "sdpa")]
+    # (label, the function, how to put a function in its place)
+    patched = [(name, getattr(api, name), functools.partial(setattr, api, name)) for name in PIECE_OPS]
+    patched += [(f"attention function ({impl})", ALL_ATTENTION_FUNCTIONS[impl],
+                 functools.partial(AttentionInterface.register, impl)) for impl in ("m3_sparse", "sdpa")]
 
     def recording(label, fn):
         def call(*a, **k):
@@ -176,20 +178,13 @@ def recorded_calls(calls: dict, armed: list):
         call.__dict__.update(fn.__dict__)  # markers such as is_m3_sparse_attention
         return call
 
-    for owner, name, fn in patched:
-        label = name if owner is api else f"attention function ({name})"
-        if owner is api:
-            setattr(api, name, recording(label, fn))
-        else:
-            owner[name] = recording(label, fn)
+    for label, fn, put in patched:
+        put(recording(label, fn))
     try:
         yield
     finally:
-        for owner, name, fn in patched:
-            if owner is api:
-                setattr(api, name, fn)
-            else:
-                owner[name] = fn
+        for _, fn, put in patched:
+            put(fn)
 
 
 def record_pieces(models, ids, mask, device) -> tuple[dict, object]:

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_633b34e7ab"
+NAMESPACE = "_m3_sparse_cuda_398519b35a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -121,6 +121,7 @@ class M3PagedLayer(CacheLayerMixin):
         self.index_keys: torch.Tensor | None = None
         # fp8 index keys: fp32 [pages + 1, page_size] per token, or [1] with one scale for the pool.
         self.index_scales: torch.Tensor | None = None
+        self._flats: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool, its flat view), see _flat
 
     # -- shape bookkeeping -------------------------------------------------------------
     @property
@@ -248,14 +249,13 @@ class M3PagedLayer(CacheLayerMixin):
     def _flat(self, pool: torch.Tensor) -> torch.Tensor:
         """``pool`` seen as rows of its last dim (fp8 pools as bytes), made once per pool: a
         view costs host time, and every layer writes three or four pools at every step."""
-        flats = self.__dict__.setdefault("_flats", [])
-        for seen, flat in flats:
+        for seen, flat in self._flats:
             if seen is pool:
                 return flat
         flat = pool.view(-1, *pool.shape[3 if pool.dim() == 4 else 2:])
         if pool.element_size() == 1:
             flat = flat.view(torch.uint8)
-        flats.append((pool, flat))
+        self._flats.append((pool, flat))
         return flat
 
     def _rows(self, heads: int) -> torch.Tensor:

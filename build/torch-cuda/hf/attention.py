@@ -120,12 +120,10 @@ def every_block_selected(slots: "int | M3PagedLayer", topk: int, block_size: int
     if torch.compiler.is_compiling():
         return False
     if isinstance(slots, M3PagedLayer):
-        if _capturing():  # before slots_used: after compiled steps its first read copies a count back
-            return False
-        slots = slots.slots_used
-    if -(-slots // block_size) > topk:
-        return False  # a long history: the answer of every decode step past the first blocks
-    return not _capturing()
+        # Asked before slots_used: after compiled steps, its first read copies a count back.
+        return not _capturing() and -(-slots.slots_used // block_size) <= topk
+    # A long history first: the answer of every decode step past the first blocks.
+    return -(-slots // block_size) <= topk and not _capturing()
 
 
 def _capturing() -> bool:

@@ -79,7 +79,6 @@ LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses 
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 _launch_cache: dict = {}
 _UNSEEN = object()
-_runtime_knobs = None  # triton.knobs.runtime, looked up once
 
 
 def _args_key(args: tuple) -> tuple:
@@ -93,11 +92,6 @@ def _args_key(args: tuple) -> tuple:
         (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor) else float if a.__class__ is float else (a.__class__, a)
         for a in args
     ])
-
-
-def _arg_key(a):
-    """:func:`_args_key` of one argument."""
-    return _args_key((a,))[0]
 
 
 def _cache_for(fn):
@@ -124,15 +118,19 @@ def _cache_for(fn):
 def _hooks_set() -> bool:
     """Whether a launch hook is registered: a hook function, or a chain of them (Triton's
     ``HookChain``, present even when empty) that holds one."""
-    global _runtime_knobs
-    if _runtime_knobs is None:
-        from triton import knobs
-
-        _runtime_knobs = knobs.runtime
-    for h in (_runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook):
+    runtime = _runtime_settings()
+    for h in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if h is not None and bool(getattr(h, "calls", True)):
             return True
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_settings():
+    """Triton's runtime settings (``knobs.runtime``, where the launch hooks are), looked up once."""
+    from triton import knobs
+
+    return knobs.runtime
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,4 +172,3 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     stream = current_stream(device)
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-
