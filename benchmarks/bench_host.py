@@ -19,8 +19,9 @@ is a markdown table.
 ``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
 sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``,
 ``index_topk``, ``sparse_attention``, the attention function) and the dense twin's attention
-function, each recorded with its arguments and repeated alone (none of them writes the
-cache); host microseconds a call, the median of ``--reps`` rounds of ``PIECE_CALLS`` calls.
+function, each recorded with its arguments and repeated alone (``index_prep`` writes the
+step's index keys into their pages again, the same values; the others write nothing); host
+microseconds a call, the median of ``--reps`` rounds of ``PIECE_CALLS`` calls.
 """
 
 from __future__ import annotations

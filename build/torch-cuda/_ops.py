@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_398519b35a"
+NAMESPACE = "_m3_sparse_cuda_0428f1c18a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

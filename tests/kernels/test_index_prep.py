@@ -98,3 +98,44 @@ def test_a_layout_the_kernel_cannot_take_runs_torch_or_is_refused_when_pinned():
     assert torch.equal(got[0], want[0])
     with pytest.raises(ValueError, match="contiguous over \\(batch, tokens\\)"):
         m3_sparse.index_prep(strided, k, qw, kw, cos, sin, eps=EPS, impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_keys_written_into_rows_of_a_pool(impl, dtype):
+    """``k_out`` / ``k_rows``: each token's key lands in its row of a pool (a paged cache seen
+    as rows), every other row keeps its value, and q is what the plain call gives."""
+    batch, seq, heads, d, r = 2, 3, 2, 32, 16
+    q, k, qw, kw, cos, sin = [t.to(DEV) for t in _inputs(6, batch, seq, heads, d, r, dtype)]
+    pool = torch.randn(17, d, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEV)
+    rows = torch.tensor([9, 0, 16, 4, 11, 5], device=DEV)  # scattered, first and last row included
+    before = pool.clone()
+    got_q, got_k = m3_sparse.index_prep(q, k, qw, kw, cos, sin, eps=EPS, impl=impl, k_out=pool, k_rows=rows)
+    want_q, want_k = m3_sparse.index_prep(q, k, qw, kw, cos, sin, eps=EPS, impl=impl)
+    assert got_k is pool
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(pool[rows], want_k.reshape(-1, d))
+    untouched = torch.ones(17, dtype=torch.bool, device=DEV)
+    untouched[rows] = False
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_bad_key_rows_are_refused_and_nothing_is_written():
+    q, k, qw, kw, cos, sin = _inputs(8, 2, 3, 2, 16, 8, torch.float32)
+    pool = torch.randn(10, 16)
+    before = pool.clone()
+    rows = torch.arange(6)
+    cases = [
+        (dict(k_out=pool), "pass both"),
+        (dict(k_rows=rows), "pass both"),
+        (dict(k_out=pool.double(), k_rows=rows), "k_out: expected dtype"),
+        (dict(k_out=pool[:, :8], k_rows=rows), r"k_out: expected \[rows, 16\]"),
+        (dict(k_out=pool, k_rows=rows[:5]), r"one row per token \(6\)"),
+        (dict(k_out=pool, k_rows=rows.float()), "k_rows: expected dtype"),
+        (dict(k_out=pool, k_rows=rows + 5), r"rows in \[0, 10\)"),
+        (dict(k_out=pool, k_rows=rows - 1), r"rows in \[0, 10\)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            m3_sparse.index_prep(q, k, qw, kw, cos, sin, eps=EPS, **kwargs)
+    assert torch.equal(pool, before)

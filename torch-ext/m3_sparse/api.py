@@ -24,17 +24,21 @@ import torch
 from . import dispatch
 from .core.args import AttnArgs, IndexArgs
 from .core.layout import chunk_varlen, token_positions
-from .core.validate import attention_args, check_positive_int, check_tensor, index_args
+from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
+from .decode.plan import DEFAULT_CONFIG as DECODE_DEFAULTS
 from .decode.plan import DecodeConfig
 from .dense.attention import dense_paged_attention_torch
+from .dense.plan import DEFAULT_CONFIG as DENSE_DEFAULTS
 from .dense.plan import DenseConfig
+from .index.plan import DEFAULT_CONFIG as INDEX_DEFAULTS
 from .index.plan import IndexConfig
 from .index.prep import index_prep_torch
 from .index.topk import index_topk_torch
 from .kvouter.build import build_kvouter_index
 from .kvouter.combine import combine_torch, merge_scale
 from .kvouter.partials import partials_args, partials_torch
+from .kvouter.plan import DEFAULT_CONFIG as KVOUTER_DEFAULTS
 from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
 
 _log = logging.getLogger("m3_sparse")
@@ -120,6 +124,8 @@ def index_prep(
     *,
     eps: float,
     impl: str = "auto",
+    k_out: torch.Tensor | None = None,
+    k_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The index queries and key of M3's index branch, normed and rotated: per-head RMSNorm
     with a ``1 + weight`` gain, then the rotary embedding of the first ``R`` dims (halves
@@ -129,6 +135,11 @@ def index_prep(
     weights; cos / sin: [B or 1, S, R] (R even, at most D) in the inputs' dtype.
     Returns (q, k) of the same shapes, contiguous. On CUDA one Triton launch
     (``index/prep_triton.py``); ``impl`` pins "torch" or "triton" as for the other ops.
+
+    ``k_out`` [N, D] (k's dtype, unit last stride) with ``k_rows`` [B * S] (int32 / int64,
+    rows in ``[0, N)``): the key of token ``(b, s)`` is written to row ``k_rows[b * S + s]``
+    of ``k_out`` instead (an index-key page pool seen as rows), and ``(q, k_out)`` is
+    returned.
     """
     check_tensor("q", q, ndim=4)
     device, (batch, seq, _, d) = q.device, q.shape
@@ -144,11 +155,18 @@ def index_prep(
             )
     if k.dtype != q.dtype:
         raise ValueError(f"k: expected q's dtype {q.dtype}, got {k.dtype}")
+    if (k_out is None) != (k_rows is None):
+        raise ValueError("k_out and k_rows: pass both (write the keys into rows of k_out) or neither")
+    if k_out is not None:
+        check_key_rows(k_out, k_rows, batch * seq, d, k.dtype, device)
     if dispatch.use_triton(q, dispatch.prep_unsupported(q, k, cos, sin), impl):
         from .index import prep_triton
 
-        return prep_triton.index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps)
-    return index_prep_torch(q, k, q_weight, k_weight, cos, sin, eps)
+        return prep_triton.index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps, k_out, k_rows)
+    q, k = index_prep_torch(q, k, q_weight, k_weight, cos, sin, eps)
+    if k_out is None:
+        return q, k
+    return q, k_out.index_copy_(0, k_rows, k.reshape(-1, d))
 
 
 def index_topk(
@@ -189,7 +207,7 @@ def index_topk(
         block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
         fp8_dot=fp8_dot,
     )
-    cfg = config or IndexConfig()
+    cfg = config or INDEX_DEFAULTS
     if not dispatch.use_triton(args.index_q, dispatch.index_unsupported(args), cfg.impl):
         return index_topk_torch(args)
     return _index_topk_gpu(args, cfg)
@@ -232,7 +250,7 @@ def kvouter_attention(
     (O / l in V's units) in half the bytes: the largest traffic of the op, at a larger
     error (docs/PERF.md, "e4m3 partials"). ``config``: launch choices (``KVOuterConfig``).
     """
-    cfg = config or KVOuterConfig()
+    cfg = config or KVOUTER_DEFAULTS
     budget = max_workspace_bytes if max_workspace_bytes is not None else cfg.workspace_bytes
     if budget is not None:
         check_positive_int("max_workspace_bytes", budget)
@@ -309,7 +327,7 @@ def kvouter_partials_gpu(
         softmax_scale=softmax_scale, causal=causal, block_size=block_size, scales=scales, out_dtype=out_dtype,
         partial_dtype=partial_dtype,
     )
-    return _partials_gpu(args, index, sched, config or KVOuterConfig())
+    return _partials_gpu(args, index, sched, config or KVOUTER_DEFAULTS)
 
 
 # --------------------------------------------------------------------------- decode
@@ -326,7 +344,7 @@ def sparse_decode_attention(
     and the partial traffic. Nothing is read back to the host on CUDA tensors, so a call can
     be captured in a CUDA graph. ``config``: launch choices (``DecodeConfig``).
     """
-    return _decode(args, config or DecodeConfig())
+    return _decode(args, config or DECODE_DEFAULTS)
 
 
 def _decode(args: AttnArgs, cfg: DecodeConfig):
@@ -351,8 +369,8 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
     branches check it the same way.
     """
     if dispatch.runs_decode(args):
-        return _decode(args, DecodeConfig())
-    return _kvouter(args, KVOuterConfig(), None)
+        return _decode(args, DECODE_DEFAULTS)
+    return _kvouter(args, KVOUTER_DEFAULTS, None)
 
 
 # --------------------------------------------------------------------------- dense
@@ -367,7 +385,7 @@ def dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = None) 
     installed and takes the call, the Triton kernel on other CUDA calls, torch elsewhere;
     ``config.impl`` or ``M3_SPARSE_DENSE_IMPL`` pins one. On flash-attn-4 the slots past
     each sequence's length in its last page are set to zero first (it reads whole pages)."""
-    cfg = config or DenseConfig()
+    cfg = config or DENSE_DEFAULTS
     kernel = dispatch.dense_kernel(args, cfg)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
@@ -388,7 +406,7 @@ def dense_paged_attention_kernel(args: AttnArgs, *, config: DenseConfig | None =
     """Which kernel :func:`dense_paged_attention` runs for these arguments: "fa4", "triton"
     or "torch" (host facts only; raises where the op would, for a pinned kernel that
     cannot run the call)."""
-    return dispatch.dense_kernel(args, config or DenseConfig())
+    return dispatch.dense_kernel(args, config or DENSE_DEFAULTS)
 
 
 __all__ = [

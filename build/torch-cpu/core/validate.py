@@ -117,6 +117,23 @@ def check_varlen(
     return batch
 
 
+def check_key_rows(k_out, k_rows, tokens: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+    """``k_out [N, d]`` (``dtype``, unit last stride) and ``k_rows [tokens]``: the row of
+    ``k_out`` each token's key is written to, in ``[0, N)`` (values checked where reading
+    them is free). Tokens that share a row leave one of their keys there: a paged cache
+    sends its padding to one scratch page."""
+    check_tensor("k_out", k_out, ndim=2, dtypes=(dtype,), device=device)
+    check_tensor("k_rows", k_rows, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    if k_out.shape[1] != d or k_out.stride(1) != 1:
+        raise ValueError(f"k_out: expected [rows, {d}] with a unit last stride, got shape {tuple(k_out.shape)}")
+    if k_rows.shape[0] != tokens:
+        raise ValueError(f"k_rows: expected one row per token ({tokens}), got {k_rows.shape[0]}")
+    if tokens and value_checks_enabled(k_rows):
+        rows = k_rows.to("cpu", torch.int64)
+        if int(rows.min()) < 0 or int(rows.max()) >= k_out.shape[0]:
+            raise ValueError(f"k_rows: expected rows in [0, {k_out.shape[0]}), got {rows.tolist()}")
+
+
 def check_pages(q, k_cache, block_tables, cu_seqlens_q, used_kv_lens) -> int:
     """:func:`check_varlen` of queries ``q [Tq, ...]`` over a K/V page pool
     ``[pages, Hkv, page_size, D]``; returns the batch size."""

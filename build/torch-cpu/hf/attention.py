@@ -155,6 +155,11 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
     batch, q_len, _ = hidden_states.shape
     cos, sin = position_embeddings
+    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
+    # An eager step's index keys go straight from the kernel into their pages (fp8 pools
+    # and compiled steps: update_index below).
+    key_rows = layer.index_key_rows(batch, q_len, self.head_dim, hidden_states.device) if layer is not None else None
+    k_out, k_rows = key_rows if key_rows is not None else (None, None)
     # The stock indexer's norms and rotary embedding, in one launch on CUDA (api.index_prep);
     # a compiled step keeps them as torch operations, which inductor fuses by itself.
     idx_q, idx_k = api.index_prep(
@@ -166,16 +171,17 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         sin[..., : self.head_dim],
         eps=self.q_norm.eps,
         impl="torch" if torch.compiler.is_compiling() else "auto",
-    )  # [B, S, Hi, Di], [B, S, Di]
+        k_out=k_out,
+        k_rows=k_rows,
+    )  # [B, S, Hi, Di], [B, S, Di] (the pool's rows with key_rows)
     if serving_layer:  # continuous batching: one packed row of every request's new tokens
         return serving.select_blocks(self, idx_q, idx_k, past_key_values)
     heads = idx_q.shape[2]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
-    idx_k = idx_k[:, None]  # [B, 1, S, Di]: the cache's layout of new states
 
-    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
     fp8_args = {}
     if layer is not None:
-        pool = layer.update_index(idx_k)
+        # update_index takes the cache's layout of new states, [B, 1, S, Di].
+        pool = layer.index_keys if k_out is not None else layer.update_index(idx_k[:, None])
         if every_block_selected(layer, self.topk_blocks, self.block_size):
             return _first_blocks(batch, heads, q_len, self.topk_blocks, layer.slots_used, self.block_size, idx_q.device)
         tables, kv_lens, cu = layer.block_tables, layer.step_kv_lens, layer.step_cu_seqlens
@@ -184,9 +190,9 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
             # serves every other cache.
             fp8_args = {"index_k_scale": layer.index_scales, "fp8_dot": past_key_values.index_fp8_dot}
     else:
-        history = idx_k
+        history = idx_k[:, None]  # [B, 1, S, Di]: a cache's layout of new states
         if past_key_values is not None:
-            history = past_key_values.layers[self.layer_idx].update_index(idx_k)  # stock contiguous layer
+            history = past_key_values.layers[self.layer_idx].update_index(history)  # stock contiguous layer
         if every_block_selected(history.shape[2], self.topk_blocks, self.block_size):
             return _first_blocks(batch, heads, q_len, self.topk_blocks, history.shape[2], self.block_size, idx_q.device)
         _check_no_holes(step_mask(), q_len)
@@ -272,14 +278,13 @@ def m3_sparse_attention(
         q=q, k_cache=k_pool, v_cache=v_pool, block_tables=tables, cu_seqlens_q=cu, used_kv_lens=kv_lens,
         softmax_scale=scaling, causal=causal, **fp8,
     )
+    block_size = module.config.index_block_size if block_indices is not None else None
     if block_indices is not None and not every_block_selected(
-        layer if layer is not None else key.shape[2], block_indices.shape[-1],
-        module.config.index_block_size,
+        layer if layer is not None else key.shape[2], block_indices.shape[-1], block_size
     ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
         out, _ = _op(
-            "sparse_attention", **paged, selected=bi, max_seqlen_q=q_len,
-            block_size=module.config.index_block_size, **partials,
+            "sparse_attention", **paged, selected=bi, max_seqlen_q=q_len, block_size=block_size, **partials,
         )
     else:
         out, _ = _op("dense_paged_attention", **paged)

@@ -38,6 +38,7 @@ def _prep_rows(
     stride_xt, stride_xh, stride_cb, stride_cs,
     D: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr,
 ):
+    """Heads ``0 .. rows`` of token t, normed and rotated, stored at ``o_ptr`` ([rows, D])."""
     h = tl.arange(0, HP)[:, None]  # [HP, 1] heads of token t
     d = tl.arange(0, DP)[None, :]  # [1, DP]
     ok = (h < rows) & (d < D)
@@ -60,38 +61,47 @@ def _prep_rows(
     s = tl.load(sin_ptr + c_off, mask=d < R, other=0.0).to(tl.float32)
     rotated = _round(_round(normed * c, BF16, out_ty) + _round(partner * s, BF16, out_ty), BF16, out_ty)
     out = tl.where(d < R, rotated, normed)  # exact in the output dtype: the store does not round
-    tl.store(o_ptr + t.to(tl.int64) * rows * D + h * D + d, out.to(out_ty), mask=ok)
+    tl.store(o_ptr + h * D + d, out.to(out_ty), mask=ok)
 
 
 @triton.jit
 def _index_prep_kernel(
-    q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq, heads, eps,
-    stride_qt, stride_qh, stride_kt, stride_cb, stride_cs,
+    q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, k_rows_ptr, seq, heads, eps,
+    stride_qt, stride_qh, stride_kt, stride_ko, stride_cb, stride_cs,
     D: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     t = tl.program_id(0)
     if tl.program_id(1) == 0:
-        _prep_rows(q_ptr, qw_ptr, qo_ptr, cos_ptr, sin_ptr, t, seq, heads, eps,
+        _prep_rows(q_ptr, qw_ptr, qo_ptr + t.to(tl.int64) * heads * D, cos_ptr, sin_ptr, t, seq, heads, eps,
                    stride_qt, stride_qh, stride_cb, stride_cs, D, R, HP, DP, BF16)
     else:
-        _prep_rows(k_ptr, kw_ptr, ko_ptr, cos_ptr, sin_ptr, t, seq, 1, eps,
+        # The key goes to its row of ``ko`` ([rows, D]): token t's own row, or with K_ROWS
+        # the row the caller names (a slot of a paged cache, written in place).
+        row = tl.load(k_rows_ptr + t).to(tl.int64) if K_ROWS else t.to(tl.int64)
+        _prep_rows(k_ptr, kw_ptr, ko_ptr + row * stride_ko, cos_ptr, sin_ptr, t, seq, 1, eps,
                    stride_kt, 0, stride_cb, stride_cs, D, R, 1, DP, BF16)
 
 
-def index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps: float):
+def index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps: float, k_out=None, k_rows=None):
     """Same contract as ``prep.index_prep_torch``; q and k must be contiguous over
-    (batch, tokens) with unit stride on the head dim (``dispatch.prep_unsupported``)."""
+    (batch, tokens) with unit stride on the head dim (``dispatch.prep_unsupported``).
+    With ``k_out`` [N, D] and ``k_rows`` [B * S] the key of token t is written to row
+    ``k_rows[t]`` of ``k_out`` (checked by ``api.index_prep``) and ``k_out`` is returned."""
     batch, seq, heads, d = q.shape
     q_out = torch.empty(batch, seq, heads, d, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(batch, seq, d, dtype=k.dtype, device=k.device)
-    if batch * seq == 0:
-        return q_out, k_out
-    # cos / sin [1 or B, S, R]: one row of angles serves every sequence when batch is 1.
-    stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
-    launch_kernel(
-        _index_prep_kernel, (batch * seq, 2),
-        q, k, q_weight, k_weight, cos, sin, q_out, k_out, seq, heads, float(eps),
-        q.stride(1), q.stride(2), k.stride(1), stride_cb, cos.stride(1),
-        D=d, R=cos.shape[-1], HP=next_pow2(heads), DP=next_pow2(d), BF16=q.dtype == torch.bfloat16,
-    )
-    return q_out, k_out
+    to_rows = k_rows is not None
+    if not to_rows:
+        k_out = torch.empty(batch * seq, d, dtype=k.dtype, device=k.device)
+    if batch * seq:
+        # cos / sin [1 or B, S, R]: one row of angles serves every sequence when batch is 1.
+        stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
+        rows = k_rows if to_rows else k_out  # a placeholder pointer when unused
+        launch_kernel(
+            _index_prep_kernel, (batch * seq, 2),
+            q, k, q_weight, k_weight, cos, sin, q_out, k_out, rows, seq, heads, float(eps),
+            q.stride(1), q.stride(2), k.stride(1), k_out.stride(0), stride_cb, cos.stride(1),
+            D=d, R=cos.shape[-1], HP=next_pow2(heads), DP=next_pow2(d), BF16=q.dtype == torch.bfloat16,
+            K_ROWS=to_rows,
+        )
+    return q_out, k_out if to_rows else k_out.view(batch, seq, d)

@@ -29,6 +29,7 @@ step's new tokens from there.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -93,6 +94,13 @@ def _in_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _normal_tensors():
+    """A context in which new tensors are normal tensors even under ``torch.inference_mode``:
+    the cache's buffers are written in place by later passes, which may run outside it
+    (inference tensors refuse that), as generate() does after an inference-mode prefill."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 def _mark_static(*tensors: torch.Tensor | None) -> None:
     """Tell ``torch.compile`` that these buffers keep their address: a compiled step then
     reads and updates them in place instead of copying them into its CUDA graph. (Not
@@ -121,7 +129,7 @@ class M3PagedLayer(CacheLayerMixin):
         self.index_keys: torch.Tensor | None = None
         # fp8 index keys: fp32 [pages + 1, page_size] per token, or [1] with one scale for the pool.
         self.index_scales: torch.Tensor | None = None
-        self._flats: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pool, its flat view), see _flat
+        self._flats: list[tuple[torch.Tensor, bool, torch.Tensor]] = []  # (pool, inference mode, flat view): _flat
 
     # -- shape bookkeeping -------------------------------------------------------------
     @property
@@ -185,37 +193,38 @@ class M3PagedLayer(CacheLayerMixin):
         # One page past the pool takes the writes of leading pad tokens; no block table names it.
         shape = (cache.num_pages + 1, hkv, cache.page_size, d)
         kv_dtype = cache.kv_cache_dtype or dtype
-        self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self._heads = torch.arange(hkv, device=device)  # the head index of a K/V write
-        if self.is_sparse:
-            index_dtype = cache.index_key_dtype or dtype
-            self.index_keys = torch.zeros(
-                cache.num_pages + 1, cache.page_size, cache.index_head_dim, dtype=index_dtype, device=device
-            )
-            if cache.index_k_scale is not None:
-                # One fixed scale for the whole pool: the index kernel never needs to read it.
-                self.index_scales = torch.full((1,), cache.index_k_scale, dtype=torch.float32, device=device)
-            elif cache.index_key_dtype is not None:
-                self.index_scales = torch.zeros(cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device)
+        with _normal_tensors():
+            self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)
+            self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
+            self._heads = torch.arange(hkv, device=device)  # the head index of a K/V write
+            if self.is_sparse:
+                index_dtype = cache.index_key_dtype or dtype
+                self.index_keys = torch.zeros(
+                    cache.num_pages + 1, cache.page_size, cache.index_head_dim, dtype=index_dtype, device=device
+                )
+                if cache.index_k_scale is not None:
+                    # One fixed scale for the whole pool: the index kernel never needs to read it.
+                    self.index_scales = torch.full((1,), cache.index_k_scale, dtype=torch.float32, device=device)
+                elif cache.index_key_dtype is not None:
+                    self.index_scales = torch.zeros(
+                        cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device
+                    )
         _mark_static(self.keys, self.values, self._heads, self.index_keys, self.index_scales)
         self.is_initialized = True
 
     # -- writes ------------------------------------------------------------------------
-    def _check_new(self, name: str, states: torch.Tensor, heads: int | None, dim: int | None) -> None:
+    def _check_new(self, name: str, shape: tuple, device, heads: int | None, dim: int | None) -> None:
         cache = self.cache
-        if states.dim() != 4:
-            raise ValueError(f"{name}: expected [batch, heads, seq, head_dim], got shape {tuple(states.shape)}")
-        if states.shape[0] != cache.max_batch:
-            raise ValueError(
-                f"{name}: the cache was built for batch {cache.max_batch}, got batch {states.shape[0]}"
-            )
-        if heads is not None and states.shape[1] != heads:
-            raise ValueError(f"{name}: expected {heads} heads, got shape {tuple(states.shape)}")
-        if dim is not None and states.shape[3] != dim:
-            raise ValueError(f"{name}: expected head_dim {dim}, got shape {tuple(states.shape)}")
-        if states.device != self.keys.device:
-            raise ValueError(f"{name}: expected a tensor on {self.keys.device}, got one on {states.device}")
+        if len(shape) != 4:
+            raise ValueError(f"{name}: expected [batch, heads, seq, head_dim], got shape {shape}")
+        if shape[0] != cache.max_batch:
+            raise ValueError(f"{name}: the cache was built for batch {cache.max_batch}, got batch {shape[0]}")
+        if heads is not None and shape[1] != heads:
+            raise ValueError(f"{name}: expected {heads} heads, got shape {shape}")
+        if dim is not None and shape[3] != dim:
+            raise ValueError(f"{name}: expected head_dim {dim}, got shape {shape}")
+        if device != self.keys.device:
+            raise ValueError(f"{name}: expected a tensor on {self.keys.device}, got one on {device}")
 
     def _write(self, pool: torch.Tensor, states: torch.Tensor, scale: float | None = None) -> None:
         """Scatter the step's new tokens ``states [B, H, S, ...]`` into ``pool`` at the step's
@@ -247,15 +256,20 @@ class M3PagedLayer(CacheLayerMixin):
         flat.index_copy_(0, rows, values)
 
     def _flat(self, pool: torch.Tensor) -> torch.Tensor:
-        """``pool`` seen as rows of its last dim (fp8 pools as bytes), made once per pool: a
-        view costs host time, and every layer writes three or four pools at every step."""
-        for seen, flat in self._flats:
-            if seen is pool:
+        """``pool`` seen as rows of its last dim (fp8 pools as bytes), made once per pool (and
+        inference mode): a view costs host time, and every layer writes three or four pools
+        at every step."""
+        inference = torch.is_inference_mode_enabled()
+        for seen, seen_inference, flat in self._flats:
+            if seen is pool and seen_inference == inference:
                 return flat
-        flat = pool.view(-1, *pool.shape[3 if pool.dim() == 4 else 2:])
-        if pool.element_size() == 1:
-            flat = flat.view(torch.uint8)
-        self._flats.append((pool, flat))
+        # Made with grad mode on: torch refuses in-place writes with grad mode on to a view
+        # made under no_grad (generate() runs under no_grad; a plain forward may not).
+        with torch.enable_grad():
+            flat = pool.view(-1, *pool.shape[3 if pool.dim() == 4 else 2:])
+            if pool.element_size() == 1:
+                flat = flat.view(torch.uint8)
+        self._flats.append((pool, inference, flat))
         return flat
 
     def _rows(self, heads: int) -> torch.Tensor:
@@ -279,7 +293,8 @@ class M3PagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check_new("key_states", key_states, self.keys.shape[1], self.keys.shape[3])
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        self._check_new("key_states", tuple(key_states.shape), key_states.device, heads, dim)
         if value_states.shape != key_states.shape:
             raise ValueError(
                 f"value_states: expected the shape of key_states {tuple(key_states.shape)}, got {tuple(value_states.shape)}"
@@ -300,18 +315,7 @@ class M3PagedLayer(CacheLayerMixin):
 
     def update_index(self, index_keys: torch.Tensor) -> torch.Tensor:
         """Write this step's index keys [B, 1, S, Di] next to the K/V written by :meth:`update`."""
-        if not self.is_sparse:
-            raise ValueError(f"layer {self.layer_idx} is not a sparse layer: it keeps no index keys")
-        step = self.cache._step
-        if not self.is_initialized or step is None or not step["updated"][self.layer_idx]:
-            raise RuntimeError("update_index called before update: K/V of the step must be written first")
-        self._check_new("index_keys", index_keys, 1, self.index_keys.shape[2])
-        if index_keys.shape[2] != step["q_len"]:
-            raise ValueError(
-                f"index_keys: expected {step['q_len']} new tokens (the K/V of this step), got {index_keys.shape[2]}"
-            )
-        if step["indexed"][self.layer_idx]:
-            raise RuntimeError(f"index keys of layer {self.layer_idx} were already written for this step")
+        self._claim_index_write(tuple(index_keys.shape), index_keys.device)
         if self.index_scales is None:
             self._write(self.index_keys, index_keys)
         elif self.cache.index_k_scale is not None:
@@ -321,8 +325,35 @@ class M3PagedLayer(CacheLayerMixin):
             # Same (page, slot) for codes and scales: leading pads land on the scratch page for both.
             self._write(self.index_keys, codes)
             self._write(self.index_scales, scales)
-        step["indexed"][self.layer_idx] = True
         return self.index_keys
+
+    def index_key_rows(self, batch: int, q_len: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where this step's index keys go when the kernel that makes them writes them too
+        (``api.index_prep``'s ``k_out`` and ``k_rows``): the index-key pool seen as rows
+        ``[N, Di]`` and each new token's row ``[B * q_len]``, after the checks of
+        :meth:`update_index`, which the write then stands for. None where update_index must
+        write: fp8 pools (quantized on the way) and compiled steps (they scatter on the
+        pool's own dimensions)."""
+        if self.index_scales is not None or torch.compiler.is_compiling():
+            return None
+        self._claim_index_write((batch, 1, q_len, dim), device)
+        return self._flat(self.index_keys), self._rows(0)
+
+    def _claim_index_write(self, shape: tuple, device) -> None:
+        """Check a write of index keys of ``shape`` [B, 1, S, Di] into this step and mark it done."""
+        if not self.is_sparse:
+            raise ValueError(f"layer {self.layer_idx} is not a sparse layer: it keeps no index keys")
+        step = self.cache._step
+        if not self.is_initialized or step is None or not step["updated"][self.layer_idx]:
+            raise RuntimeError("update_index called before update: K/V of the step must be written first")
+        self._check_new("index_keys", shape, device, 1, self.index_keys.shape[2])
+        if shape[2] != step["q_len"]:
+            raise ValueError(f"index_keys: expected {step['q_len']} new tokens (the K/V of this step), got {shape[2]}")
+        if step["indexed"][self.layer_idx]:
+            raise RuntimeError(f"index keys of layer {self.layer_idx} were already written for this step")
+        # Marked before the write: a write that fails leaves the forward pass failed, and the
+        # next pass begins a new step.
+        step["indexed"][self.layer_idx] = True
 
     # -- queries -------------------------------------------------------------------------
     def get_seq_length(self) -> int | torch.Tensor:
@@ -608,9 +639,10 @@ class M3PagedCache(Cache):
         n = self._lengths
         if n is None:
             self._place(device)
-            seq = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
-            n = {"seq_lens": seq, "step_kv_lens": torch.zeros_like(seq), "pending": torch.zeros_like(seq),
-                 "slots": torch.zeros((), dtype=torch.int64, device=device)}
+            with _normal_tensors():
+                seq = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
+                n = {"seq_lens": seq, "step_kv_lens": torch.zeros_like(seq), "pending": torch.zeros_like(seq),
+                     "slots": torch.zeros((), dtype=torch.int64, device=device)}
             _mark_static(*n.values())
             self._lengths = n
         return n
