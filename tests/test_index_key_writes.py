@@ -64,4 +64,4 @@ def test_fp8_index_pools_are_left_to_update_index():
     cfg = text_config()
     cache = M3PagedCache(cfg, BATCH, 40, page_size=PAGE, index_key_dtype=torch.float8_e4m3fn)
     layer = _step(cache, cfg, None, torch.Generator().manual_seed(0))[0]
-    assert layer.index_key_rows(BATCH, Q_LEN, cfg.index_head_dim, torch.device("cpu")) is None
+    assert layer.index_key_rows(BATCH, Q_LEN, cfg.index_head_dim, torch.device("cpu")) == (None, None)

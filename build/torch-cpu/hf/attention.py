@@ -158,8 +158,9 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
     # An eager step's index keys go straight from the kernel into their pages (fp8 pools
     # and compiled steps: update_index below).
-    key_rows = layer.index_key_rows(batch, q_len, self.head_dim, hidden_states.device) if layer is not None else None
-    k_out, k_rows = key_rows if key_rows is not None else (None, None)
+    k_out, k_rows = (
+        layer.index_key_rows(batch, q_len, self.head_dim, hidden_states.device) if layer is not None else (None, None)
+    )
     # The stock indexer's norms and rotary embedding, in one launch on CUDA (api.index_prep);
     # a compiled step keeps them as torch operations, which inductor fuses by itself.
     idx_q, idx_k = api.index_prep(
@@ -173,7 +174,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         impl="torch" if torch.compiler.is_compiling() else "auto",
         k_out=k_out,
         k_rows=k_rows,
-    )  # [B, S, Hi, Di], [B, S, Di] (the pool's rows with key_rows)
+    )  # [B, S, Hi, Di], [B, S, Di] (the pool's rows with k_out)
     if serving_layer:  # continuous batching: one packed row of every request's new tokens
         return serving.select_blocks(self, idx_q, idx_k, past_key_values)
     heads = idx_q.shape[2]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)

@@ -327,15 +327,15 @@ class M3PagedLayer(CacheLayerMixin):
             self._write(self.index_scales, scales)
         return self.index_keys
 
-    def index_key_rows(self, batch: int, q_len: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def index_key_rows(self, batch: int, q_len: int, dim: int, device) -> tuple:
         """Where this step's index keys go when the kernel that makes them writes them too
         (``api.index_prep``'s ``k_out`` and ``k_rows``): the index-key pool seen as rows
         ``[N, Di]`` and each new token's row ``[B * q_len]``, after the checks of
-        :meth:`update_index`, which the write then stands for. None where update_index must
-        write: fp8 pools (quantized on the way) and compiled steps (they scatter on the
-        pool's own dimensions)."""
+        :meth:`update_index`, which the write then stands for. ``(None, None)`` where
+        update_index must write: fp8 pools (quantized on the way) and compiled steps (they
+        scatter on the pool's own dimensions)."""
         if self.index_scales is not None or torch.compiler.is_compiling():
-            return None
+            return None, None
         self._claim_index_write((batch, 1, q_len, dim), device)
         return self._flat(self.index_keys), self._rows(0)
 
