@@ -1,6 +1,7 @@
 """Host time of an eager generate() decode step, layer by layer: m3_sparse against its dense
-twin, and m3_sparse with every kernel launched through Triton (``core.launch``'s direct
-launches off), in turn on one machine.
+twin, m3_sparse calling the ops where it runs plans of them (``hf.attention``'s
+``PLANNED_MAX_QUERIES`` at 0), and m3_sparse with every kernel launched through Triton
+(``core.launch``'s direct launches off), in turn on one machine.
 
     python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k
     python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k --pieces
@@ -13,15 +14,17 @@ over ``--new-tokens - 2`` (the prompt's prefill and the first step cancel). Ever
 layer's forward is timed on the host with ``perf_counter`` around it; a layer's figure is
 the same difference per step and layer. The table gives medians over ``--reps``; the
 sparse layer's extra is its host time less the dense twin's layer (a full-attention layer
-over a static cache with sdpa). Rows go to ``<out>/bench_host.json``; the last thing printed
-is a markdown table.
+over a static cache with sdpa) of the same repetition, the median of those differences (the
+host's speed drifts between repetitions more than within one). Rows go to
+``<out>/bench_host.json``; the last thing printed is a markdown table.
 
 ``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
-sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``,
-``index_topk``, ``sparse_attention``, the attention function) and the dense twin's attention
-function, each recorded with its arguments and repeated alone (``index_prep`` writes the
-step's index keys into their pages again, the same values; the others write nothing); host
-microseconds a call, the median of ``--reps`` rounds of ``PIECE_CALLS`` calls.
+sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``, the
+runs of the ``index_topk`` and ``sparse_attention`` plans, the attention function) and the
+dense twin's attention function, each recorded with its arguments and repeated alone
+(``index_prep`` writes the step's index keys into their pages again, the same values; the
+others write nothing); host microseconds a call, the median of ``--reps`` rounds of
+``PIECE_CALLS`` calls.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ import bench_generate as bg  # noqa: E402
 import m3_hf_attention  # noqa: E402  (registers m3_sparse)
 from m3_hf_attention._kernel import kernel_module  # noqa: E402
 
-CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-triton-launches")
-PIECE_OPS = ("index_prep", "index_topk", "sparse_attention")
+CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-ops", "m3_sparse-eager-triton-launches")
+PIECE_OPS = ("index_prep",)
+PIECE_PLANS = (
+    ("PlannedIndexTopk", "index_topk (a plan's run)"),
+    ("PlannedAttention", "sparse_attention (a plan's run)"),
+)
 PIECE_CALLS = 200
 M3_FUNCTION = "attention function (m3_sparse)"
 
@@ -84,6 +91,19 @@ def layer_clock(totals: dict):
         yield
     finally:
         m3.MiniMaxM3VLDecoderLayer.forward = original
+
+
+@contextmanager
+def planned(on: bool):
+    """The integration's plans of the sparse layers' ops on (its default) or off."""
+    attention = kernel_module("hf.attention")
+    bound = attention.PLANNED_MAX_QUERIES
+    if not on:
+        attention.PLANNED_MAX_QUERIES = 0
+    try:
+        yield
+    finally:
+        attention.PLANNED_MAX_QUERIES = bound
 
 
 @contextmanager
@@ -135,7 +155,7 @@ def measure(args, models, ids, mask, device) -> list[dict]:
         for config in CONFIGS:
             dense = config.startswith("dense")
             model = models["dense" if dense else "sparse"]
-            with direct_launches(not config.endswith("triton-launches")):
+            with direct_launches(not config.endswith("triton-launches")), planned(not config.endswith("-ops")):
                 short, short_layers = timed_call(model, ids, mask, 2, dense, device)
                 long, long_layers = timed_call(model, ids, mask, args.new_tokens, dense, device)
             if rep == 0:
@@ -147,14 +167,15 @@ def measure(args, models, ids, mask, device) -> list[dict]:
                     per = (long_layers.get(kind, 0.0) - short_layers.get(kind, 0.0)) / steps / count
                     samples[config][kind].append(per)
     ms = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
-    dense_layer = ms(samples["dense-eager"]["full"])
+    dense_layers = samples["dense-eager"]["full"]
     rows = []
     for config in CONFIGS:
         s = samples[config]
-        sparse = ms(s["sparse"])
+        extra = [sparse - dense for sparse, dense in zip(s["sparse"], dense_layers)]  # repetition by repetition
         rows.append({
-            "config": config, "step_ms": ms(s["step"]), "sparse_layer_ms": sparse, "full_layer_ms": ms(s["full"]),
-            "sparse_extra_ms": None if sparse is None or dense_layer is None else sparse - dense_layer,
+            "config": config, "step_ms": ms(s["step"]), "sparse_layer_ms": ms(s["sparse"]),
+            "full_layer_ms": ms(s["full"]), "sparse_extra_ms": ms(extra),
+            "sparse_extra_each_ms": [x * 1e3 for x in extra],
         })
     return rows
 
@@ -162,10 +183,13 @@ def measure(args, models, ids, mask, device) -> list[dict]:
 @contextmanager
 def recorded_calls(calls: dict, armed: list):
     """While ``armed[0]``, keep the first call (function, args, kwargs) of each piece: the ops of
-    ``PIECE_OPS`` and the attention functions of m3_sparse and sdpa."""
+    ``PIECE_OPS``, the runs of the plans of ``PIECE_PLANS`` and the attention functions of
+    m3_sparse and sdpa."""
     api = kernel_module("api")
     # (label, the function, how to put a function in its place)
     patched = [(name, getattr(api, name), functools.partial(setattr, api, name)) for name in PIECE_OPS]
+    patched += [(label, getattr(api, cls).run, functools.partial(setattr, getattr(api, cls), "run"))
+                for cls, label in PIECE_PLANS]
     patched += [(f"attention function ({impl})", ALL_ATTENTION_FUNCTIONS[impl],
                  functools.partial(AttentionInterface.register, impl)) for impl in ("m3_sparse", "sdpa")]
 
@@ -232,12 +256,15 @@ def time_pieces(calls: dict, reps: int, device) -> list[dict]:
 def table(rows: list[dict], args) -> list[str]:
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = [
-        "| layers | context | config | step host ms | sparse layer ms | full layer ms | sparse layer - dense twin layer ms |",
+        "| layers | context | config | step host ms | sparse layer ms | full layer ms | sparse layer - dense twin layer ms "
+        "(range over repetitions) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        each = r["sparse_extra_each_ms"]
+        spread = f" ({min(each):.3f} to {max(each):.3f})" if each else ""
         lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | {f(r['step_ms'])} | {f(r['sparse_layer_ms'])} | "
-                     f"{f(r['full_layer_ms'])} | {f(r['sparse_extra_ms'])} |")
+                     f"{f(r['full_layer_ms'])} | {f(r['sparse_extra_ms'])}{spread} |")
     return lines
 
 
@@ -255,7 +282,8 @@ def main(argv=None) -> int:
     for r in rows:
         results.add(f"{args.layers} {args.sizes}", r["step_ms"], what=r["config"], sizes={"size": args.sizes},
                     baseline="dense-eager", baseline_ms=rows[0]["step_ms"], sparse_layer_ms=r["sparse_layer_ms"],
-                    full_layer_ms=r["full_layer_ms"], sparse_extra_ms=r["sparse_extra_ms"], reps=args.reps,
+                    full_layer_ms=r["full_layer_ms"], sparse_extra_ms=r["sparse_extra_ms"],
+                    sparse_extra_each_ms=r["sparse_extra_each_ms"], reps=args.reps,
                     new_tokens=args.new_tokens)
     for piece in pieces:
         results.add(f"{args.layers} {args.sizes}", piece["us"] / 1e3, what=f"piece: {piece['piece']}",

@@ -126,7 +126,7 @@ MUTATIONS = (
     ),  # fmt: skip
     Mutation(
         name="decode_softmax_scale", path="decode/attention_triton.py",
-        old="float(args.softmax_scale) * LOG2E,", new="float(args.softmax_scale) * 1.1 * LOG2E,",
+        old="self.scale = float(args.softmax_scale) * LOG2E", new="self.scale = float(args.softmax_scale) * 1.1 * LOG2E",
         tests=(K + "test_triton_decode.py::test_decode_matches_reference",),
         what="the decode kernel's softmax scale 10% too large",
     ),  # fmt: skip
@@ -160,10 +160,24 @@ MUTATIONS = (
         tests=(K + "test_triton_index_topk.py::test_exact_ties_prefer_lower_block_ids",),
         what="the index kernel lets a later (higher) block win a tie for the last kept slot",
     ),  # fmt: skip
+    Mutation(
+        name="decode_plan_keeps_its_query", path="decode/attention_triton.py",
+        old="            q, k_cache, v_cache, selected, block_tables, self.cu_seqlens_q",
+        new="            self.args.q, k_cache, v_cache, selected, block_tables, self.cu_seqlens_q",
+        tests=(K + "test_plans.py::test_sparse_attention_plan_runs_like_the_op",),
+        what="a sparse-attention plan launches on the query it was made with, not the run's",
+    ),  # fmt: skip
+    Mutation(
+        name="index_plan_copies_the_lengths", path="index/topk_triton.py",
+        old="self.block_tables, self.cu_seqlens_q, self.used_kv_lens = metadata(args)",
+        new="self.block_tables, self.cu_seqlens_q, self.used_kv_lens = metadata(args)[:5] + (args.used_kv_lens.clone(),)",
+        tests=(K + "test_plans.py::test_index_topk_plan_runs_like_the_op",),
+        what="an index plan reads a copy of the kv lengths made when it was planned",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter
-# used to skip, and one each of the combine and the index kernel.
+# used to skip, one each of the combine and the index kernel, and a plan's launch.
 SHORT = (
     "kvouter_widened_key_scale",
     "decode_widened_key_scale",
@@ -171,6 +185,7 @@ SHORT = (
     "e4m3_rounding_skipped",
     "combine_drops_a_partial",
     "index_tie_to_higher_id",
+    "decode_plan_keeps_its_query",
 )
 
 

@@ -114,3 +114,32 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=30, **kwargs):
         suppress_tokens=[PAD],
         **kwargs,
     )
+
+
+def spy_op_calls(api, monkeypatch, record) -> None:
+    """Call ``record(name, kwargs)`` for every ``index_topk`` and ``sparse_attention`` call
+    of ``api`` (a loaded kernel's), whether the integration calls the op or runs a plan of
+    it (eager decode steps): ``kwargs`` then holds the run's tensors and the plan's options."""
+    for name in ("index_topk", "sparse_attention"):
+        real = getattr(api, name)
+
+        def op_spy(*args, _real=real, _name=name, **kwargs):
+            record(_name, kwargs)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(api, name, op_spy)
+    run_topk = api.PlannedIndexTopk.run
+
+    def topk_spy(self, index_q, index_k_cache, index_k_scale=None):
+        record("index_topk", {"index_q": index_q, "index_k_cache": index_k_cache, "index_k_scale": index_k_scale,
+                              "fp8_dot": self.args.fp8_dot})
+        return run_topk(self, index_q, index_k_cache, index_k_scale)
+
+    run_attention = api.PlannedAttention.run
+
+    def attention_spy(self, q, k_cache, v_cache, selected):
+        record("sparse_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache, "selected": selected})
+        return run_attention(self, q, k_cache, v_cache, selected)
+
+    monkeypatch.setattr(api.PlannedIndexTopk, "run", topk_spy)
+    monkeypatch.setattr(api.PlannedAttention, "run", attention_spy)

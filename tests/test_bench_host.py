@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
@@ -33,14 +34,26 @@ def test_quick_run_writes_every_configuration(tmp_path):
 def test_pieces_are_recorded_from_a_decode_step_and_timed(tmp_path):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    api = bench_host.kernel_module("api")
     before = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in ("m3_sparse", "sdpa")}
+    runs = {cls: getattr(api, cls).run for cls, _ in bench_host.PIECE_PLANS}
     assert bench_host.main(["--quick", "--pieces", "--out", str(tmp_path), "--new-tokens", "4"]) == 0
     rows = json.loads((tmp_path / "bench_host.json").read_text())
     pieces = {r["what"]: r for r in rows if r["what"].startswith("piece: ")}
     assert set(pieces) == {f"piece: {name}" for name in bench_host.PIECE_OPS} | {
+        f"piece: {label}" for _, label in bench_host.PIECE_PLANS} | {
         f"piece: {bench_host.M3_FUNCTION}", "piece: attention function (sdpa)"}
     assert all(r["ms"] > 0 and r["metrics"]["calls"] == bench_host.PIECE_CALLS for r in pieces.values())
     assert {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in before} == before  # the recorders are gone
+    assert {cls: getattr(api, cls).run for cls in runs} == runs
+
+
+def test_the_plans_switch_restores_the_bound():
+    attention = bench_host.kernel_module("hf.attention")
+    bound = attention.PLANNED_MAX_QUERIES
+    with bench_host.planned(False):
+        assert attention.PLANNED_MAX_QUERIES == 0
+    assert attention.PLANNED_MAX_QUERIES == bound > 0
 
 
 def test_layer_clock_sums_layers_by_kind_and_restores_forward():
@@ -78,3 +91,27 @@ def test_direct_launch_switch_restores_the_launcher():
     assert launch.DIRECT_LAUNCH_TRITON == releases
     with bench_host.direct_launches(True):
         assert launch.DIRECT_LAUNCH_TRITON == releases
+
+
+def test_the_extra_is_the_median_of_differences_within_repetitions(monkeypatch):
+    """A host that slows down in one repetition moves both sides of that repetition's
+    difference, not the median of the differences."""
+    args = bench_host.parse_args(["--quick", "--layers", "sf", "--reps", "3", "--new-tokens", "4"])
+    steps = args.new_tokens - 2
+    dense_ms = iter([1.0, 1.0, 2.0, 10.0])  # full layer of the dense twin, per repetition (the first warms up)
+    sparse_ms = iter([1.5, 1.5, 9.0, 10.5])
+
+    def timed_call(model, ids, mask, new_tokens, dense, device, cache=None):
+        if new_tokens == 2:
+            return 0.0, {}
+        if dense:
+            return 1.0, {"full": next(dense_ms) * 1e-3 * steps * 2}  # two full layers
+        layer = next(sparse_ms) * 1e-3 * steps
+        return 1.0, {"sparse": layer, "full": layer}
+
+    monkeypatch.setattr(bench_host, "timed_call", timed_call)
+    monkeypatch.setattr(bench_host, "CONFIGS", ("dense-eager", "m3_sparse-eager"))
+    rows = bench_host.measure(args, {"dense": "dense", "sparse": "sparse"}, None, None, None)
+    m3 = rows[1]
+    assert m3["sparse_extra_each_ms"] == pytest.approx([0.5, 7.0, 0.5])
+    assert m3["sparse_extra_ms"] == pytest.approx(0.5)  # the medians' difference would say 9.0 - 2.0

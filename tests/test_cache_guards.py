@@ -58,6 +58,20 @@ def test_a_model_on_another_attention_implementation(path, model):
     assert cache.get_seq_length() == 0
 
 
+def test_a_model_switched_to_another_implementation_after_a_step(path):
+    """The layers after a step's first skip the checks only for the config object that step
+    checked and only while it still names m3_sparse."""
+    switched = AutoModelForCausalLM.from_pretrained(path, attn_implementation="m3_sparse").eval()
+    cache = M3PagedCache(switched.config, 1, 64)
+    with torch.no_grad():
+        switched(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+        held = cache.get_seq_length()
+        switched.set_attn_implementation("sdpa")
+        with pytest.raises(ValueError, match=r"only attn_implementation='m3_sparse' can read; the model runs 'sdpa'"):
+            switched(input_ids=_prompt()[:, :1], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == held
+
+
 def test_generate_on_a_filled_cache_asks_for_reset(model):
     prompt = _prompt(1)
     cache = M3PagedCache(model.config, 1, PROMPT + 8)

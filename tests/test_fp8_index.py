@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from m3_hf_attention import M3PagedCache, load_kernel
 from m3_hf_attention.cache import quantize_index_keys
-from model_utils import greedy, random_prompt, save_tiny_text_model
+from model_utils import greedy, random_prompt, save_tiny_text_model, spy_op_calls
 
 FP8 = torch.float8_e4m3fn
 # The Triton tests run on the GPU where there is one, else in the CPU interpreter.
@@ -380,8 +380,9 @@ def test_cache_with_one_index_scale(sparse_model, monkeypatch):
     assert float(cache.layer(0).index_scales) == pytest.approx(scale)
     kernel = load_kernel()
     seen = []
-    real = kernel.api.index_topk
-    monkeypatch.setattr(kernel.api, "index_topk", lambda *a, **kw: seen.append(kw.get("index_k_scale")) or real(*a, **kw))
+    spy_op_calls(
+        kernel.api, monkeypatch, lambda name, kw: name == "index_topk" and seen.append(kw.get("index_k_scale"))
+    )
     cache = M3PagedCache(sparse_model.config, 1, 48, index_key_dtype=FP8, index_k_scale=scale)
     out = greedy(sparse_model, ids, new_tokens=4, past_key_values=cache)
     assert out.shape == (1, 44) and len(seen) == 2 * 4
@@ -395,13 +396,10 @@ def test_generate_with_fp8_index_cache(sparse_model, monkeypatch):
     cache = M3PagedCache(sparse_model.config, 1, 70 + new, index_key_dtype=FP8)
     kernel = load_kernel()
     seen = []
-    real = kernel.api.index_topk
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("index_k_scale"), kwargs.get("fp8_dot")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernel.api, "index_topk", spy)
+    spy_op_calls(
+        kernel.api, monkeypatch,
+        lambda name, kw: name == "index_topk" and seen.append((kw.get("index_k_scale"), kw.get("fp8_dot"))),
+    )
     out = greedy(sparse_model, ids, new_tokens=new, past_key_values=cache)
     assert out.shape == (1, 70 + new)
     # Two sparse layers, one call each per step; every call gets its layer's scale pool.
@@ -428,13 +426,7 @@ def test_model_fp8_dot_reaches_the_triton_kernel(tmp_path, monkeypatch):
     ids = random_prompt(70, torch.Generator().manual_seed(6))[None].to(DEV)
     kernel = load_kernel()
     seen = []
-    real = kernel.api.index_topk
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("fp8_dot"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kernel.api, "index_topk", spy)
+    spy_op_calls(kernel.api, monkeypatch, lambda name, kw: name == "index_topk" and seen.append(kw.get("fp8_dot")))
 
     def logits(impl, dot=False):
         monkeypatch.setenv("M3_SPARSE_IMPL", impl)

@@ -10,9 +10,11 @@ from transformers import AutoModelForCausalLM
 
 import m3_hf_attention
 from m3_hf_attention import M3PagedCache
-from model_utils import BLOCK, TOPK, random_prompt, save_tiny_text_model
+from m3_hf_attention._kernel import kernel_module
+from model_utils import BLOCK, TOPK, random_prompt, save_tiny_text_model, spy_op_calls
 
-integration = m3_hf_attention.integration
+# The loaded module itself: m3_hf_attention.integration forwards reads, and a test patches it.
+integration = kernel_module("hf.attention")
 kernel = m3_hf_attention.load_kernel()
 
 
@@ -26,14 +28,11 @@ def model(tmp_path_factory):
 @pytest.fixture
 def calls(monkeypatch):
     seen = []
-    for name in ("index_topk", "sparse_attention", "dense_paged_attention"):
-        real = getattr(kernel.api, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            seen.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(kernel.api, name, spy)
+    spy_op_calls(kernel.api, monkeypatch, lambda name, kw: seen.append(name))
+    real = kernel.api.dense_paged_attention
+    monkeypatch.setattr(
+        kernel.api, "dense_paged_attention", lambda *a, **kw: seen.append("dense_paged_attention") or real(*a, **kw)
+    )
     return seen
 
 
@@ -65,5 +64,8 @@ def test_short_prefill_and_decode_run_dense_and_match_sparse_kernels(model, call
     assert calls.count("index_topk") == sparse_layers * (steps.shape[1] - 2)
 
     monkeypatch.setattr(integration, "every_block_selected", lambda *a: False)
+    before = len(calls)
     slow = run()
+    # Now the prefill and every step run the index branch and the sparse kernels.
+    assert calls[before:].count("index_topk") == sparse_layers * (steps.shape[1] + 1)
     torch.testing.assert_close(fast, slow, atol=2e-4, rtol=0)

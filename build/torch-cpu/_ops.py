@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_65e8e2a829"
+NAMESPACE = "_m3_sparse_cpu_ae3b9c9fe5"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -15,6 +15,7 @@ the last ones, right aligned) describe the varlen batch (``core.layout``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -22,7 +23,7 @@ import logging
 import torch
 
 from . import dispatch
-from .core.args import AttnArgs, IndexArgs
+from .core.args import AttnArgs, IndexArgs, tensor_meta
 from .core.layout import chunk_varlen, token_positions
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
@@ -207,20 +208,102 @@ def index_topk(
         block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
         fp8_dot=fp8_dot,
     )
-    cfg = config or INDEX_DEFAULTS
-    if not dispatch.use_triton(args.index_q, dispatch.index_unsupported(args), cfg.impl):
-        return index_topk_torch(args)
-    return _index_topk_gpu(args, cfg)
+    return PlannedIndexTopk(args, config or INDEX_DEFAULTS).planned_call()
 
 
-def _index_topk_gpu(args: IndexArgs, cfg: IndexConfig) -> torch.Tensor:
-    from .index import plan as index_plan
-    from .index import topk_gluon_sm90, topk_triton
+def plan_index_topk(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    used_kv_lens: torch.Tensor,
+    topk: int,
+    block_size: int = 128,
+    local_blocks: int = 1,
+    max_seqlen_q: int | None = None,
+    index_k_scale: torch.Tensor | None = None,
+    fp8_dot: bool = False,
+    config: IndexConfig | None = None,
+) -> PlannedIndexTopk:
+    """:func:`index_topk`'s checks, kernel choice and launch set-up, once: the returned
+    plan's ``run(index_q, index_k_cache, index_k_scale=None)`` answers what ``index_topk``
+    would for index queries and a key pool (and its scales) of these shapes, strides and
+    dtypes, with this call's block tables, ``cu_seqlens_q`` and ``used_kv_lens`` (read in
+    place at every run: contiguous int32 tensors, updated in place between runs, as a paged
+    cache does). The layers of a decode step make the same call on their own pools: plan
+    once per step, run per layer. Same arguments as :func:`index_topk`."""
+    args = index_args(
+        index_q, index_k_cache, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens, topk=topk,
+        block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
+        fp8_dot=fp8_dot,
+    )
+    _check_plan_metadata(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
+    return PlannedIndexTopk(args, config or INDEX_DEFAULTS)
 
-    plan = index_plan.plan(args, cfg)
-    if args.index_q.shape[0] and args.used_kv_lens.shape[0] and dispatch.index_engine(args, cfg, plan) == "tma":
-        return topk_gluon_sm90.index_topk_tma(args)
-    return topk_triton.launch(args, plan, cfg)
+
+def _check_plan_metadata(*tensors: torch.Tensor) -> None:
+    """A plan reads the batch's metadata in place at every run, so it takes no copy of them."""
+    for name, t in zip(("block_tables", "cu_seqlens_q", "used_kv_lens"), tensors):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: a plan reads it in place at every run and needs a contiguous int32 tensor, got "
+                f"{str(t.dtype).replace('torch.', '')} with strides {t.stride()}"
+            )
+
+
+def _check_like(planned: tuple, given: tuple) -> None:
+    """Each run tensor has the planned call's shape, strides, dtype and device (``tensor_meta``)."""
+    for (name, want), t in zip(planned, given):
+        if (t is None and want is not None) or (t is not None and not isinstance(t, torch.Tensor)):
+            raise ValueError(f"{name}: expected a tensor like the planned call's, got {type(t).__name__}")
+        got = tensor_meta(t)
+        if got != want:
+            raise ValueError(f"{name}: the plan was made for {_shown(want)}; got {_shown(got)}")
+
+
+def _shown(meta: tuple | None) -> str:
+    return "None" if meta is None else f"shape {tuple(meta[0])}, strides {meta[1]}, {meta[2]} on {meta[3]}"
+
+
+class PlannedIndexTopk:
+    """:func:`index_topk` on a checked call, its kernel chosen and its launch set up
+    (:func:`plan_index_topk`)."""
+
+    def __init__(self, args: IndexArgs, cfg: IndexConfig):
+        self.args = args
+        self._launch = None  # the tl kernel's launch, set up once
+        self._run = index_topk_torch  # else a function of the call's args
+        if dispatch.use_triton(args.index_q, dispatch.index_unsupported(args), cfg.impl):
+            from .index import plan as index_plan
+            from .index import topk_gluon_sm90, topk_triton
+
+            plan = index_plan.plan(args, cfg)
+            if args.index_q.shape[0] and args.used_kv_lens.shape[0] and dispatch.index_engine(args, cfg, plan) == "tma":
+                self._run = topk_gluon_sm90.index_topk_tma
+            else:
+                self._launch = topk_triton.TopkLaunch(args, plan, cfg)
+
+    @functools.cached_property
+    def _metas(self) -> tuple:
+        names = ("index_q", "index_k_cache", "index_k_scale")
+        return tuple((name, tensor_meta(getattr(self.args, name))) for name in names)
+
+    def run(self, index_q: torch.Tensor, index_k_cache: torch.Tensor, index_k_scale=None) -> torch.Tensor:
+        """``selected`` [Tq, Hi, topk] for these tensors (like the planned call's)."""
+        _check_like(self._metas, (index_q, index_k_cache, index_k_scale))
+        if self._launch is not None:
+            return self._launch.run(index_q, index_k_cache, index_k_scale)
+        return self._run(
+            dataclasses.replace(self.args, index_q=index_q, index_k_cache=index_k_cache, index_k_scale=index_k_scale)
+        )
+
+    def planned_call(self) -> torch.Tensor:
+        """The result of the call the plan was made from."""
+        args = self.args
+        if self._launch is not None:
+            return self._launch.run(args.index_q, args.index_k_cache, args.index_k_scale)
+        return self._run(args)
 
 
 # --------------------------------------------------------------------------- KV-outer
@@ -368,9 +451,52 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
     applies where KV-outer runs (the decode kernel merges its splits in registers); both
     branches check it the same way.
     """
+    return _sparse(args)
+
+
+def _sparse(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     if dispatch.runs_decode(args):
         return _decode(args, DECODE_DEFAULTS)
     return _kvouter(args, KVOUTER_DEFAULTS, None)
+
+
+@attention_op()
+def plan_sparse_attention(args: AttnArgs) -> PlannedAttention:
+    """:func:`sparse_attention`'s checks and kernel choice, and the decode kernel's launch
+    set-up, once: the returned plan's ``run(q, k_cache, v_cache, selected)`` answers what
+    ``sparse_attention`` would for tensors of these shapes, strides and dtypes, with this
+    call's block tables, ``cu_seqlens_q`` and ``used_kv_lens`` (read in place at every run:
+    contiguous int32 tensors, updated in place between runs, as a paged cache does). A
+    decode step's sparse layers make the same call on their own pools: plan once, run per
+    layer. Same arguments as :func:`sparse_attention`."""
+    _check_plan_metadata(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
+    return PlannedAttention(args)
+
+
+class PlannedAttention:
+    """:func:`sparse_attention` on a checked call, the decode kernel's launch set up where it
+    runs the call (:func:`plan_sparse_attention`)."""
+
+    def __init__(self, args: AttnArgs):
+        self.args = args
+        self._launch = None
+        # The choice _sparse and _decode make for this call.
+        decode = dispatch.runs_decode(args)
+        if decode and dispatch.use_triton(args.q, dispatch.decode_unsupported(args), DECODE_DEFAULTS.impl):
+            from .decode import attention_triton as decode_triton
+
+            self._launch = decode_triton.DecodeLaunch(args, DECODE_DEFAULTS)
+
+    @functools.cached_property
+    def _metas(self) -> tuple:
+        return tuple((name, tensor_meta(getattr(self.args, name))) for name in ("q", "k_cache", "v_cache", "selected"))
+
+    def run(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
+        _check_like(self._metas, (q, k_cache, v_cache, selected))
+        if self._launch is not None:
+            return self._launch.run(q, k_cache, v_cache, selected)
+        return _sparse(self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected))
 
 
 # --------------------------------------------------------------------------- dense
@@ -414,11 +540,15 @@ __all__ = [
     "DenseConfig",
     "IndexConfig",
     "KVOuterConfig",
+    "PlannedAttention",
+    "PlannedIndexTopk",
     "dense_paged_attention",
     "dense_paged_attention_kernel",
     "index_prep",
     "index_topk",
     "kvouter_attention",
+    "plan_index_topk",
+    "plan_sparse_attention",
     "sparse_attention",
     "sparse_decode_attention",
 ]

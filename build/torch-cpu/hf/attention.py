@@ -35,6 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
 from .. import api
+from ..core.args import tensor_meta
 from ..core.validate import debug_enabled
 from . import serving, tp
 from .calls import call_op as _op
@@ -44,6 +45,12 @@ from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 from .mask import create_causal_mask, m3_sparse_mask, step_mask
 
 EPHEMERAL_PAGE_SIZE = 64
+# Eager steps of at most this many new tokens per sequence (decode) run the sparse layers'
+# ops through plans kept on the cache (api.plan_*): checked and set up once per call shape,
+# then run by every sparse layer at every step. A plan keeps its call's tensors, so longer
+# steps (prefill) call the ops directly.
+PLANNED_MAX_QUERIES = 16
+MAX_PLANS = 32
 
 # A second copy of this module (another kernel build loaded side by side) must not wrap
 # the patched functions again: the originals are kept on the patches.
@@ -130,6 +137,28 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make):
+    """The plan under ``key`` on ``layer``'s cache, made by ``make()`` when there is none or
+    when its batch metadata are not this call's ``metadata`` tensors (block tables,
+    cu_seqlens_q, kv lengths: a step of another length, another device's copies)."""
+    plans = layer.cache.plans
+    plan = plans.get(key)
+    if plan is not None:
+        args = plan.args
+        tables, cu, kv_lens = metadata
+        if args.block_tables is tables and args.cu_seqlens_q is cu and args.used_kv_lens is kv_lens:
+            return plan
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plan = plans[key] = make()
+    return plan
+
+
+def _planned(layer: M3PagedLayer | None, q_len: int) -> bool:
+    """Whether this call runs through a plan: an eager decode step over a paged cache."""
+    return layer is not None and q_len <= PLANNED_MAX_QUERIES and not torch.compiler.is_compiling() and not _capturing()
+
+
 def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch.Tensor:
     """The selection such a layer makes, ``[B, heads, S, topk]``: blocks ``0 ..`` of the
     history, ``-1`` past its last block (blocks after a query's own hold no key it sees)."""
@@ -199,8 +228,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         _check_no_holes(step_mask(), q_len)
         pool, tables, cu, kv_lens = _contiguous_pages(history, q_len, EPHEMERAL_PAGE_SIZE, step_mask())
         pool = pool[:, 0]  # one shared index-key head
-    selected = _op(
-        "index_topk",
+    topk_args = dict(
         index_q=idx_q.reshape(batch * q_len, heads, self.head_dim),
         index_k_cache=pool,
         block_tables=tables,
@@ -212,6 +240,14 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         max_seqlen_q=q_len,
         **fp8_args,
     )
+    if _planned(layer, q_len):
+        index_q, scale = topk_args["index_q"], fp8_args.get("index_k_scale")
+        plan_key = ("index_topk", tensor_meta(index_q), tensor_meta(pool), tensor_meta(scale), self.topk_blocks,
+                    self.block_size, self.local_blocks, q_len, bool(fp8_args.get("fp8_dot")))
+        plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_index_topk(**topk_args))
+        selected = plan.run(index_q, pool, scale)
+    else:
+        selected = _op("index_topk", **topk_args)
     return selected.view(batch, q_len, heads, self.topk_blocks).permute(0, 2, 1, 3)
 
 
@@ -284,9 +320,14 @@ def m3_sparse_attention(
         layer if layer is not None else key.shape[2], block_indices.shape[-1], block_size
     ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
-        out, _ = _op(
-            "sparse_attention", **paged, selected=bi, max_seqlen_q=q_len, block_size=block_size, **partials,
-        )
+        sparse = dict(paged, selected=bi, max_seqlen_q=q_len, block_size=block_size, **partials)
+        if _planned(layer, q_len):
+            plan_key = ("sparse_attention", tensor_meta(q), tensor_meta(k_pool), tensor_meta(v_pool), tensor_meta(bi),
+                        scaling, causal, block_size, partial_dtype, tuple(fp8.values()))
+            plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_sparse_attention(**sparse))
+            out, _ = plan.run(q, k_pool, v_pool, bi)
+        else:
+            out, _ = _op("sparse_attention", **sparse)
     else:
         out, _ = _op("dense_paged_attention", **paged)
     return out.view(batch, q_len, hq, d), None

@@ -143,3 +143,9 @@ class IndexArgs:
 def is_tensor_scale(index_k_scale) -> bool:
     """True for a per-tensor scale (one element), False for per-token scales."""
     return isinstance(index_k_scale, torch.Tensor) and index_k_scale.dim() <= 1 and index_k_scale.numel() == 1
+
+
+def tensor_meta(t: torch.Tensor | None) -> tuple | None:
+    """What a plan fixes of a tensor (``api.plan_*``): shape, strides, dtype and device
+    (None for None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

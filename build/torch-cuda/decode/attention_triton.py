@@ -284,65 +284,86 @@ def run_decode_triton(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, arriva
     the in-place merge uses instead of zeroing a new one per call (one memset less in a
     captured step); the kernel leaves it zero again. Calls that share it must run in
     stream order."""
-    why = shape_reason(args)
-    if why is not None:
-        raise ValueError(why)
-    q, k_cache, v_cache, selected = args.q, args.k_cache, args.v_cache, args.selected
-    block_tables, cu_seqlens_q, used_kv_lens = contiguous(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
-    num_tokens, hq, d = q.shape
-    hkv, page_size, group, batch = args.hkv, args.page_size, args.group, args.batch
-    block_size, out_dtype, scales = args.block_size, args.out_dtype, args.scales
-    q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
-    topk = selected.shape[2]
-    device = q.device
-    out, lse = args.new_outputs(no_keys=topk == 0)
-    if num_tokens == 0 or batch == 0 or topk == 0:
+    return DecodeLaunch(args, cfg).run(args.q, args.k_cache, args.v_cache, args.selected, arrival_counts)
+
+
+class DecodeLaunch:
+    """The decode kernel's launch for one checked call, planned once (split count, tiles,
+    the kernel's constants, the metadata as the kernel reads it). :meth:`run` launches it
+    for tensors of the call's shapes, strides and dtypes: a decode step's sparse layers
+    make the same call on their own pools, queries and selections."""
+
+    def __init__(self, args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG):
+        why = shape_reason(args)
+        if why is not None:
+            raise ValueError(why)
+        self.args = args
+        self.block_tables, self.cu_seqlens_q, self.used_kv_lens = contiguous(
+            args.block_tables, args.cu_seqlens_q, args.used_kv_lens
+        )
+        num_tokens, batch, topk = args.num_tokens, args.batch, args.selected.shape[2]
+        self.empty = num_tokens == 0 or batch == 0 or topk == 0
+        if self.empty:
+            return
+        p = self.plan = plan(args, cfg)
+        self.grid = (num_tokens, args.hkv, p.num_splits)
+        self.ws_rows = num_tokens * args.hkv * p.num_splits * args.group
+        seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
+        self.ints = (num_tokens, batch, topk, self.block_tables.shape[1] * args.page_size)
+        self.scale = float(args.softmax_scale) * LOG2E
+        self.constants = dict(
+            G=args.group, RP=p.rp, D=args.d, BD=p.bd, BS=args.block_size, BN=p.bn, PS=args.page_size,
+            TOPK_P2=max(2, next_pow2(topk)),
+            CAUSAL=args.causal, FINAL=p.final, MERGE=p.merge, RETURN_LSE=args.return_lse,
+            SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk),
+            PREC="ieee" if args.q.dtype == torch.float32 else None,
+            Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
+            PV_DT=tl_dtype(args.out_dtype),
+            num_warps=p.num_warps, num_stages=p.num_stages,
+        )
+
+    def run(self, q, k_cache, v_cache, selected, arrival_counts=None):
+        """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
+        dtypes are the planned call's: ``api.PlannedAttention`` checks them)."""
+        args = self.args
+        out, lse = args.new_outputs(no_keys=args.selected.shape[2] == 0)
+        if self.empty:
+            return out, lse
+        p, d, device = self.plan, args.d, q.device
+        counts = None
+        if arrival_counts is not None:
+            arrival_counts = _check_counts(arrival_counts, args.num_tokens * args.hkv, device)
+        if p.final:
+            o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+        else:
+            o_buf = torch.empty(self.ws_rows, d, dtype=torch.float32, device=device)
+            m_buf = torch.empty(self.ws_rows, dtype=torch.float32, device=device)
+            l_buf = torch.empty(self.ws_rows, dtype=torch.float32, device=device)
+            if p.merge and arrival_counts is not None:
+                counts = arrival_counts
+            elif p.merge:
+                # Zeroed by each call (and by each replay of a captured one).
+                counts = torch.zeros(args.num_tokens * args.hkv, dtype=torch.int32, device=device)
+        block_tables = self.block_tables
+        launch_kernel(
+            _decode_split_kernel, self.grid,
+            q, k_cache, v_cache, selected, block_tables, self.cu_seqlens_q, self.used_kv_lens,
+            o_buf, m_buf, l_buf, out,
+            lse if lse is not None else out,
+            counts if counts is not None else m_buf,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            selected.stride(0), selected.stride(1), selected.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            *self.ints,
+            self.scale,
+            args.scales if args.scales is not None else l_buf,
+            **self.constants,
+        )
+        if not p.final and not p.merge:
+            merge_splits(o_buf, m_buf, l_buf, out, lse, p.num_splits, args.group)
         return out, lse
-    p = plan(args, cfg)
-    bn, bd, rp, num_splits, num_warps, num_stages = p.bn, p.bd, p.rp, p.num_splits, p.num_warps, p.num_stages
-    final, merge = p.final, p.merge
-    seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
-    counts = None
-    if arrival_counts is not None:
-        arrival_counts = _check_counts(arrival_counts, num_tokens * hkv, device)
-    if final:
-        o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
-    else:
-        rows = num_tokens * hkv * num_splits * group
-        o_buf = torch.empty(rows, d, dtype=torch.float32, device=device)
-        m_buf = torch.empty(rows, dtype=torch.float32, device=device)
-        l_buf = torch.empty(rows, dtype=torch.float32, device=device)
-        if merge and arrival_counts is not None:
-            counts = arrival_counts
-        elif merge:
-            # Zeroed by each call (and by each replay of a captured one).
-            counts = torch.zeros(num_tokens * hkv, dtype=torch.int32, device=device)
-    launch_kernel(
-        _decode_split_kernel, (num_tokens, hkv, num_splits),
-        q, k_cache, v_cache, selected, block_tables, cu_seqlens_q, used_kv_lens,
-        o_buf, m_buf, l_buf, out,
-        lse if lse is not None else out,
-        counts if counts is not None else m_buf,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        selected.stride(0), selected.stride(1), selected.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        num_tokens, batch, topk, block_tables.shape[1] * page_size,
-        float(args.softmax_scale) * LOG2E,
-        scales if scales is not None else l_buf,
-        G=group, RP=rp, D=d, BD=bd, BS=block_size, BN=bn, PS=page_size,
-        TOPK_P2=max(2, next_pow2(topk)),
-        CAUSAL=args.causal, FINAL=final, MERGE=merge, RETURN_LSE=args.return_lse,
-        SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk),
-        PREC="ieee" if q.dtype == torch.float32 else None,
-        Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8,
-        PV_DT=tl_dtype(out_dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if not final and not merge:
-        merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
-    return out, lse
 
 
 def _check_counts(counts, needed: int, device) -> torch.Tensor:

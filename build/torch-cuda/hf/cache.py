@@ -46,6 +46,8 @@ SPARSE_LAYER_TYPE = "minimax_m3_sparse"
 # without it (docs/PERF.md, "Dense paged attention").
 DEFAULT_PAGE_SIZE = 128
 FP8_INDEX_DTYPE = getattr(torch, "float8_e4m3fn", None)
+# Step lengths whose cu_seqlens_q an eager cache keeps (M3PagedCache._cu_seqlens).
+MAX_KEPT_CU_SEQLENS = 64
 
 
 
@@ -540,6 +542,10 @@ class M3PagedCache(Cache):
         self._lengths: dict | None = None  # the length buffers (begin_step)
         self._step: dict | None = None  # the current step (begin_step)
         self._host_slots: int | None = 0  # slots_used on the host; None after compiled steps
+        self._cus: dict[tuple, torch.Tensor] = {}  # cu_seqlens_q of eager steps: _cu_seqlens
+        # The ops' plans (api.plan_*) of eager decode steps, made by the attention
+        # integration once per call shape and run by every layer of a kind (hf/attention.py).
+        self.plans: dict[tuple, object] = {}
         layers = [
             M3PagedLayer(self, i, layer_types[i] == SPARSE_LAYER_TYPE) for i in range(text.num_hidden_layers)
         ]
@@ -627,12 +633,26 @@ class M3PagedCache(Cache):
         # A traced or captured step must not keep the host count (replays advance only the
         # device count): it forgets it, and the next eager read copies the device count back.
         self._host_slots = None if _in_graph() else self._host_slots + q_len
-        cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
+        cu = self._cu_seqlens(device, q_len)
         layers = len(self.layers)
         self._step = {
             "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {}, "rows": {},
-            "updated": [False] * layers, "indexed": [False] * layers,
+            "updated": [False] * layers, "indexed": [False] * layers, "config": None,
         }
+
+    def _cu_seqlens(self, device: torch.device, q_len: int) -> torch.Tensor:
+        """``cu_seqlens_q`` of a step of ``q_len`` tokens per sequence: made once per length
+        for eager steps, so the ops' plans made for one step serve the next (``plans``)."""
+        if _in_graph():
+            return torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
+        cu = self._cus.get((device, q_len))
+        if cu is None:
+            if len(self._cus) >= MAX_KEPT_CU_SEQLENS:  # prompts of many lengths through one cache
+                self._cus.clear()
+            with _normal_tensors():
+                cu = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device) * q_len
+            self._cus[(device, q_len)] = cu
+        return cu
 
     def _lengths_on(self, device: torch.device) -> dict:
         """The length buffers, allocated on ``device`` by the first step."""
@@ -713,8 +733,14 @@ class M3PagedCache(Cache):
     def layer_for(self, layer_idx: int, config, is_sparse: bool) -> M3PagedLayer:
         """The layer that serves attention layer ``layer_idx`` of a model with ``config``
         (its text config), after checking that the model runs m3_sparse and that the layer
-        fits it (the whole model was checked by :meth:`check_model` before the pass)."""
+        fits it (the whole model was checked by :meth:`check_model` before the pass). The
+        first layer of a step checks ``config``; the step's other layers only that they come
+        with the same config object, still on the same attention implementation."""
+        step = self._step
         impl = getattr(config, "_attn_implementation", None)
+        checked = step["config"] if step is not None else None
+        if checked is not None and checked[0] is config and checked[1] == impl and layer_idx < len(self.layers):
+            return self.layers[layer_idx]
         if not uses_m3_sparse(config):
             raise ValueError(
                 f"M3PagedCache holds paged K/V that only attn_implementation='m3_sparse' can read; the model "
@@ -727,6 +753,9 @@ class M3PagedCache(Cache):
                 f"{layer_idx}. Build the cache from this model's config."
             )
         self._check_kind(layer_idx, is_sparse)
+        if step is not None:
+            self.check_model(config)  # every layer fits: the step's other layers skip the checks
+            step["config"] = (config, impl)
         return self.layers[layer_idx]
 
     def check_generation(self, total_tokens: int) -> None:

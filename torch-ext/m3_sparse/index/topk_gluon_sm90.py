@@ -1,7 +1,7 @@
 """Index branch prefill on Hopper (sm_90): score + block max + top-k in Gluon, with the next
 key tile's MMA running under the current tile's epilogue.
 
-Same contract as ``topk_triton.launch`` on the calls ``unsupported_reason``
+Same contract as the tl kernel (``topk_triton.TopkLaunch``) on the calls ``unsupported_reason``
 accepts (the ``tl`` kernel serves every other call and is the reference of this one).
 
 Why a second kernel: the ``tl`` kernel waits on each key tile's MMA before its block max

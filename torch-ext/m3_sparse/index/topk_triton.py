@@ -384,55 +384,81 @@ def _merge_kernel(
     _write_selection(out_ptr, grow, row_ok, nf, last, kept, n_kept, TOPK, TOPK_P2, KP)
 
 
-def launch(args: IndexArgs, p: IndexPlan, cfg: IndexConfig = DEFAULT_CONFIG) -> torch.Tensor:
-    """Run the tl kernel (and the split merge) on a planned call; returns ``selected``."""
-    num_tokens, heads, dim = args.index_q.shape
-    batch = args.used_kv_lens.shape[0]
-    device = args.index_q.device
-    topk, local_blocks = args.topk, args.local_blocks
-    out = torch.empty(num_tokens, heads, topk, dtype=torch.int32, device=device)
-    if num_tokens == 0 or batch == 0:
-        return out
-    q, k, scale, bt, cu, kv = metadata(args)
-    nkeep = topk - local_blocks
-    kp = next_pow2(max(nkeep, 1))
-    if p.final:
-        ws_val = ws_id = out
-    else:
-        ws_val = torch.empty(num_tokens * heads * p.num_splits * kp, dtype=torch.float32, device=device)
-        ws_id = torch.empty(num_tokens * heads * p.num_splits * kp, dtype=torch.int32, device=device)
-    # Measured on the H200 (docs/PERF.md, index branch): one warpgroup per 128-row tile
-    # with a 2-deep key pipeline beat 8 warps / 3 stages in prefill.
-    num_warps = cfg.num_warps or 4
-    num_stages = cfg.num_stages or (2 if p.bm >= 128 else KEY_MAJOR_STAGES if p.key_major and args.fp8_dot else 3)
-    batch_p2 = max(2, next_pow2(batch + 1))
-    # The interpreter takes no register cap.
-    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
-    scale_t = scale if scale is not None else k  # a placeholder pointer when unused
-    launch_kernel(
-        _index_topk_kernel, (p.tiles, p.num_splits),
-        q, k, scale_t, bt, cu, kv, out, ws_val, ws_id,
-        k.stride(0), k.stride(1), scale_t.stride(0), bt.stride(0),
-        batch, p.num_splits,
-        H=heads, D=dim, BLOCK=args.block_size, PAGE=k.shape[1],
-        TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
-        BM=p.bm, BK=p.bk, CH=p.ch, TPB=p.ch // p.bk, NBT=p.ch // args.block_size, SAME_PAGE=k.shape[1] % p.bk == 0,
-        BATCH_P2=batch_p2, DOT_FP32=p.dot_fp32, K_SCALE=scale is not None, FP8_DOT=bool(args.fp8 and args.fp8_dot),
-        K_CAST=p.k_cast, KEY_MAJOR=p.key_major, FINAL=p.final,
-        num_warps=num_warps, num_stages=num_stages, **extra,
-    )
-    if not p.final:
-        total_rows = num_tokens * heads
-        nc = next_pow2(p.num_splits) * kp
-        # Few rows per program: the merge is a chain of dependent reductions, so
-        # its time is latency, and more programs hide more of it.
-        rb = max(1, min(16, 1024 // nc))
-        launch_kernel(
-            _merge_kernel, (triton.cdiv(total_rows, rb),),
-            ws_val, ws_id, out, cu, kv,
-            total_rows, batch, p.num_splits,
-            H=heads, BLOCK=args.block_size, TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,
-            KP=kp, NC=nc, RB=rb, BATCH_P2=batch_p2,
-            num_warps=4,
+class TopkLaunch:
+    """The tl kernel's launch (and the split merge's) for one planned call, set up once: the
+    metadata as the kernels read it and their constants. :meth:`run` launches it for index
+    queries and a key pool of the call's shapes and dtypes (each sparse layer of a decode
+    step has its own pool and makes the same call)."""
+
+    def __init__(self, args: IndexArgs, p: IndexPlan, cfg: IndexConfig = DEFAULT_CONFIG):
+        self.args, self.plan = args, p
+        num_tokens, heads, dim = args.index_q.shape
+        batch = args.used_kv_lens.shape[0]
+        self.empty = num_tokens == 0 or batch == 0
+        _, _, _, self.block_tables, self.cu_seqlens_q, self.used_kv_lens = metadata(args)
+        topk, local_blocks = args.topk, args.local_blocks
+        nkeep = topk - local_blocks
+        kp = next_pow2(max(nkeep, 1))
+        self.ws_size = num_tokens * heads * p.num_splits * kp
+        # Measured on the H200 (docs/PERF.md, index branch): one warpgroup per 128-row tile
+        # with a 2-deep key pipeline beat 8 warps / 3 stages in prefill.
+        num_warps = cfg.num_warps or 4
+        num_stages = cfg.num_stages or (2 if p.bm >= 128 else KEY_MAJOR_STAGES if p.key_major and args.fp8_dot else 3)
+        batch_p2 = max(2, next_pow2(batch + 1))
+        # The interpreter takes no register cap.
+        extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
+        page = args.index_k_cache.shape[1]
+        self.ints = (batch, p.num_splits)
+        self.constants = dict(
+            H=heads, D=dim, BLOCK=args.block_size, PAGE=page,
+            TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep, KP=kp,
+            BM=p.bm, BK=p.bk, CH=p.ch, TPB=p.ch // p.bk, NBT=p.ch // args.block_size, SAME_PAGE=page % p.bk == 0,
+            BATCH_P2=batch_p2, DOT_FP32=p.dot_fp32, K_SCALE=args.token_scales,
+            FP8_DOT=bool(args.fp8 and args.fp8_dot), K_CAST=p.k_cast, KEY_MAJOR=p.key_major, FINAL=p.final,
+            num_warps=num_warps, num_stages=num_stages, **extra,
         )
-    return out
+        if not p.final:
+            total_rows = num_tokens * heads
+            nc = next_pow2(p.num_splits) * kp
+            # Few rows per program: the merge is a chain of dependent reductions, so
+            # its time is latency, and more programs hide more of it.
+            rb = max(1, min(16, 1024 // nc))
+            self.merge_grid = (triton.cdiv(total_rows, rb),)
+            self.merge_ints = (total_rows, batch, p.num_splits)
+            self.merge_constants = dict(
+                H=heads, BLOCK=args.block_size, TOPK=topk, TOPK_P2=next_pow2(topk), LOCAL=local_blocks, NKEEP=nkeep,
+                KP=kp, NC=nc, RB=rb, BATCH_P2=batch_p2, num_warps=4,
+            )
+
+    def run(self, index_q: torch.Tensor, index_k_cache: torch.Tensor, index_k_scale=None) -> torch.Tensor:
+        """``selected`` of the planned call with these tensors (the caller's shapes and dtypes
+        are the planned call's: ``api.PlannedIndexTopk`` checks them)."""
+        args, p = self.args, self.plan
+        num_tokens, heads, _ = index_q.shape
+        device = index_q.device
+        out = torch.empty(num_tokens, heads, args.topk, dtype=torch.int32, device=device)
+        if self.empty:
+            return out
+        q = index_q.contiguous()
+        k = index_k_cache if index_k_cache.stride(2) == 1 else index_k_cache.contiguous()
+        scale = index_k_scale if self.constants["K_SCALE"] else None
+        if scale is not None and scale.stride(1) != 1:
+            scale = scale.contiguous()
+        if p.final:
+            ws_val = ws_id = out
+        else:
+            ws_val = torch.empty(self.ws_size, dtype=torch.float32, device=device)
+            ws_id = torch.empty(self.ws_size, dtype=torch.int32, device=device)
+        bt, cu, kv = self.block_tables, self.cu_seqlens_q, self.used_kv_lens
+        scale_t = scale if scale is not None else k  # a placeholder pointer when unused
+        launch_kernel(
+            _index_topk_kernel, (p.tiles, p.num_splits),
+            q, k, scale_t, bt, cu, kv, out, ws_val, ws_id,
+            k.stride(0), k.stride(1), scale_t.stride(0), bt.stride(0),
+            *self.ints,
+            **self.constants,
+        )
+        if not p.final:
+            launch_kernel(_merge_kernel, self.merge_grid, ws_val, ws_id, out, cu, kv, *self.merge_ints,
+                          **self.merge_constants)
+        return out

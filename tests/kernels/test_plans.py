@@ -1,0 +1,139 @@
+"""Plans of the ops (``api.plan_sparse_attention``, ``api.plan_index_topk``): checked, the
+kernel chosen and its launch set up once; a plan's ``run`` on fresh tensors of the planned
+shapes answers what the op answers for them, reads the batch metadata in place at every
+run, and refuses tensors unlike the planned ones.
+
+The torch path and the Triton kernels (the interpreter without a GPU), tiny decode-shaped
+batches: ragged lengths, several tokens per sequence, shuffled block tables, selections
+with -1 slots and repeated ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import m3_sparse
+from kernel_test_utils import gen, make_batch, randn, random_selection
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+HQ, HKV, D, PAGE, BLOCK, TOPK = 4, 2, 32, 16, 16, 4
+# (kv_len, q_len): decode steps of 1 and of a few tokens, one shorter than a block
+SEQS = {"one_token": [(37, 1), (5, 1), (70, 1)], "few_tokens": [(40, 3), (9, 2), (64, 1)]}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def impl(request, monkeypatch):
+    monkeypatch.setenv("M3_SPARSE_IMPL", request.param)
+    return request.param
+
+
+def _to(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def _attention_call(g, batch, dtype):
+    q = randn(g, batch.num_tokens, HQ, D, dtype=dtype)
+    k = batch.kv_cache(g, HKV, D, dtype)
+    v = batch.kv_cache(g, HKV, D, dtype)
+    sel = random_selection(g, batch, HKV, TOPK, BLOCK)
+    return _to(q, k, v, sel)
+
+
+@pytest.mark.parametrize("seqs", SEQS.values(), ids=SEQS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_plan_runs_like_the_op(impl, seqs, dtype):
+    g = gen(11)
+    batch = make_batch(g, seqs, PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, max_seqlen_q=max(n for _, n in seqs), block_size=BLOCK)
+    q, k, v, sel = _attention_call(g, batch, dtype)
+    plan = m3_sparse.plan_sparse_attention(q, k, v, sel, tables, **meta)
+    for step in range(3):
+        if step == 2:
+            # The lengths change in place, as a paged cache advances them: the plan reads
+            # the new ones (each sequence keeps at least its queries).
+            kv_lens.copy_((kv_lens - 3).clamp(min=torch.tensor([n for _, n in seqs], device=DEVICE)))
+        q, k, v, sel = _attention_call(g, batch, dtype)  # fresh tensors, the planned shapes
+        out, lse = plan.run(q, k, v, sel)
+        want, want_lse = m3_sparse.sparse_attention(q, k, v, sel, tables, **meta)
+        assert lse is None and want_lse is None
+        assert torch.equal(out, want), f"step {step}"
+
+
+def _index_call(g, batch, fp8: bool):
+    index_q = randn(g, batch.num_tokens, HKV, D)
+    cache = batch.index_cache(g, D)
+    scale = None
+    if fp8:
+        scale = cache.abs().amax(-1).clamp(min=1e-6) / 448
+        cache = (cache / scale[..., None]).to(torch.float8_e4m3fn)
+    return _to(index_q, cache) + ([scale.to(DEVICE)] if fp8 else [None])
+
+
+@pytest.mark.parametrize("seqs", SEQS.values(), ids=SEQS.keys())
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32_keys", "fp8_keys"])
+def test_index_topk_plan_runs_like_the_op(impl, seqs, fp8):
+    g = gen(12)
+    batch = make_batch(g, seqs, PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, topk=TOPK, block_size=BLOCK, local_blocks=1,
+                max_seqlen_q=max(n for _, n in seqs))
+    index_q, cache, scale = _index_call(g, batch, fp8)
+    plan = m3_sparse.plan_index_topk(index_q, cache, tables, index_k_scale=scale, **meta)
+    changed = False
+    for step in range(3):
+        if step == 2:
+            before = m3_sparse.index_topk(index_q, cache, tables, index_k_scale=scale, **meta)
+            kv_lens.copy_((kv_lens - 20).clamp(min=torch.tensor([n for _, n in seqs], device=DEVICE)))
+            changed = not torch.equal(before, m3_sparse.index_topk(index_q, cache, tables, index_k_scale=scale, **meta))
+        index_q, cache, scale = _index_call(g, batch, fp8)
+        got = plan.run(index_q, cache, scale)
+        want = m3_sparse.index_topk(index_q, cache, tables, index_k_scale=scale, **meta)
+        assert torch.equal(got, want), f"step {step}"
+    assert changed  # the shorter lengths do change the selection: the last run tested reading them
+
+
+def test_a_plan_refuses_tensors_unlike_the_planned_ones():
+    g = gen(13)
+    batch = make_batch(g, SEQS["one_token"], PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    q, k, v, sel = _attention_call(g, batch, torch.float32)
+    plan = m3_sparse.plan_sparse_attention(q, k, v, sel, tables, cu_seqlens_q=cu, used_kv_lens=kv_lens,
+                                           block_size=BLOCK)
+    with pytest.raises(ValueError, match=r"q: the plan was made for shape \(3, 4, 32\)"):
+        plan.run(q[:2], k, v, sel)
+    with pytest.raises(ValueError, match=r"v_cache: .*torch.bfloat16"):
+        plan.run(q, k, v.bfloat16(), sel)
+    with pytest.raises(ValueError, match=r"selected: .*strides"):
+        plan.run(q, k, v, sel.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="selected: expected a tensor"):
+        plan.run(q, k, v, sel.tolist())
+
+    index_q, cache, _ = _index_call(g, batch, fp8=False)
+    index_plan = m3_sparse.plan_index_topk(index_q, cache, tables, cu_seqlens_q=cu, used_kv_lens=kv_lens, topk=TOPK,
+                                           block_size=BLOCK)
+    with pytest.raises(ValueError, match="index_k_scale: the plan was made for None"):
+        index_plan.run(index_q, cache, torch.ones(cache.shape[:2], device=DEVICE))
+    with pytest.raises(ValueError, match="index_k_cache: the plan was made for shape"):
+        index_plan.run(index_q, cache[:-1], None)
+
+
+@pytest.mark.parametrize("name", ["block_tables", "cu_seqlens_q", "used_kv_lens"])
+def test_plans_take_metadata_they_can_read_in_place(name):
+    """A copy of int64 or strided metadata would not see in-place updates: refused."""
+    g = gen(14)
+    batch = make_batch(g, SEQS["one_token"], PAGE)
+    meta = dict(zip(("block_tables", "cu_seqlens_q", "used_kv_lens"),
+                    _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)))
+    meta[name] = meta[name].long()
+    q, k, v, sel = _attention_call(g, batch, torch.float32)
+    with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .* int64"):
+        m3_sparse.plan_sparse_attention(q, k, v, sel, meta.pop("block_tables"), block_size=BLOCK, **meta)
+    meta = dict(zip(("block_tables", "cu_seqlens_q", "used_kv_lens"),
+                    _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)))
+    if name == "block_tables":
+        meta[name] = torch.cat([meta[name], meta[name]], 1)[:, ::2]
+        index_q, cache, _ = _index_call(g, batch, fp8=False)
+        with pytest.raises(ValueError, match="block_tables: a plan reads it in place .* strides"):
+            m3_sparse.plan_index_topk(index_q, cache, meta.pop("block_tables"), topk=TOPK, block_size=BLOCK, **meta)
