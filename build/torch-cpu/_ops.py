@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_ae3b9c9fe5"
+NAMESPACE = "_m3_sparse_cpu_a733b4a2ce"
 
 ops = getattr(torch.ops, NAMESPACE)
 

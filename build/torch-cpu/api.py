@@ -211,21 +211,7 @@ def index_topk(
     return PlannedIndexTopk(args, config or INDEX_DEFAULTS).planned_call()
 
 
-def plan_index_topk(
-    index_q: torch.Tensor,
-    index_k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    used_kv_lens: torch.Tensor,
-    topk: int,
-    block_size: int = 128,
-    local_blocks: int = 1,
-    max_seqlen_q: int | None = None,
-    index_k_scale: torch.Tensor | None = None,
-    fp8_dot: bool = False,
-    config: IndexConfig | None = None,
-) -> PlannedIndexTopk:
+def plan_index_topk(*args, **kwargs) -> PlannedIndexTopk:
     """:func:`index_topk`'s checks, kernel choice and launch set-up, once: the returned
     plan's ``run(index_q, index_k_cache, index_k_scale=None)`` answers what ``index_topk``
     would for index queries and a key pool (and its scales) of these shapes, strides and
@@ -233,13 +219,17 @@ def plan_index_topk(
     place at every run: contiguous int32 tensors, updated in place between runs, as a paged
     cache does). The layers of a decode step make the same call on their own pools: plan
     once per step, run per layer. Same arguments as :func:`index_topk`."""
-    args = index_args(
-        index_q, index_k_cache, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens, topk=topk,
-        block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
-        fp8_dot=fp8_dot,
-    )
-    _check_plan_metadata(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
-    return PlannedIndexTopk(args, config or INDEX_DEFAULTS)
+    bound = _INDEX_TOPK.bind(*args, **kwargs)
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    config = params.pop("config")
+    checked = index_args(**params)
+    _check_plan_metadata(checked.block_tables, checked.cu_seqlens_q, checked.used_kv_lens)
+    return PlannedIndexTopk(checked, config or INDEX_DEFAULTS)
+
+
+_INDEX_TOPK = inspect.signature(index_topk)
+plan_index_topk.__signature__ = _INDEX_TOPK.replace(return_annotation="PlannedIndexTopk")
 
 
 def _check_plan_metadata(*tensors: torch.Tensor) -> None:

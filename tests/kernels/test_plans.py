@@ -120,20 +120,20 @@ def test_a_plan_refuses_tensors_unlike_the_planned_ones():
 
 
 @pytest.mark.parametrize("name", ["block_tables", "cu_seqlens_q", "used_kv_lens"])
-def test_plans_take_metadata_they_can_read_in_place(name):
-    """A copy of int64 or strided metadata would not see in-place updates: refused."""
+@pytest.mark.parametrize("how", ["int64", "strided"])
+def test_plans_take_metadata_they_can_read_in_place(name, how):
+    """A copy of int64 or strided metadata would not see in-place updates: both plans refuse it."""
     g = gen(14)
     batch = make_batch(g, SEQS["one_token"], PAGE)
     meta = dict(zip(("block_tables", "cu_seqlens_q", "used_kv_lens"),
                     _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)))
-    meta[name] = meta[name].long()
+    t = meta[name]
+    meta[name] = t.long() if how == "int64" else torch.stack([t, t], -1)[..., 0]  # the same values, strided
+    tables = meta.pop("block_tables")
     q, k, v, sel = _attention_call(g, batch, torch.float32)
-    with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .* int64"):
-        m3_sparse.plan_sparse_attention(q, k, v, sel, meta.pop("block_tables"), block_size=BLOCK, **meta)
-    meta = dict(zip(("block_tables", "cu_seqlens_q", "used_kv_lens"),
-                    _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)))
-    if name == "block_tables":
-        meta[name] = torch.cat([meta[name], meta[name]], 1)[:, ::2]
-        index_q, cache, _ = _index_call(g, batch, fp8=False)
-        with pytest.raises(ValueError, match="block_tables: a plan reads it in place .* strides"):
-            m3_sparse.plan_index_topk(index_q, cache, meta.pop("block_tables"), topk=TOPK, block_size=BLOCK, **meta)
+    index_q, cache, _ = _index_call(g, batch, fp8=False)
+    why = "int64" if how == "int64" else "strides"
+    with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .*{why}"):
+        m3_sparse.plan_sparse_attention(q, k, v, sel, tables, block_size=BLOCK, **meta)
+    with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .*{why}"):
+        m3_sparse.plan_index_topk(index_q, cache, tables, topk=TOPK, block_size=BLOCK, **meta)
