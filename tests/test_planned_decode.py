@@ -95,7 +95,7 @@ def _planned_against_ops(model, plans_made, monkeypatch, options):
     torch.testing.assert_close(planned, direct, atol=0, rtol=0)
 
 
-def test_plans_follow_the_step_length(model, plans_made):
+def test_plans_follow_the_step_length(model, plans_made, monkeypatch):
     """Steps of another length have other cu_seqlens: their own plans, and the decode
     steps' plans are still right afterwards."""
     ids = random_prompt(TOPK * BLOCK + 9, torch.Generator().manual_seed(5))[None]
@@ -107,11 +107,9 @@ def test_plans_follow_the_step_length(model, plans_made):
         for n in (1, 3, 1, 2):
             chunk = random_prompt(n, torch.Generator().manual_seed(10 + n))[None]
             got = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
-            integration.PLANNED_MAX_QUERIES, saved = 0, integration.PLANNED_MAX_QUERIES
-            try:
+            with monkeypatch.context() as ops_only:
+                ops_only.setattr(integration, "PLANNED_MAX_QUERIES", 0)
                 want = model(input_ids=chunk, past_key_values=reference, use_cache=True).logits
-            finally:
-                integration.PLANNED_MAX_QUERIES = saved
             torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert len(plans_made) == 2 * 3  # one pair per step length (1, 3, 2)
 
