@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_a733b4a2ce"
+NAMESPACE = "_m3_sparse_cpu_88e4a6bcea"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -293,8 +293,8 @@ def test_public_entry_runs_torch_on_cpu_and_triton_when_asked(monkeypatch):
     batch, q, k, v, sel = _setup(7, [(45, 2), (9, 3)], 16, 32, 8, 2, 16, 4, torch.float32)
     ref = _oracle(batch, q, k, v, sel, 32)
     calls = []
-    real = tdec.run_decode_triton
-    monkeypatch.setattr(tdec, "run_decode_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = tdec.DecodeLaunch.run  # the kernel's launch, whoever sets it up
+    monkeypatch.setattr(tdec.DecodeLaunch, "run", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.delenv("M3_SPARSE_IMPL", raising=False)
     args = _to(q, k, v, sel, batch.block_tables)
     kw = dict(cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE))

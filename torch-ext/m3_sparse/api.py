@@ -421,11 +421,20 @@ def sparse_decode_attention(
 
 
 def _decode(args: AttnArgs, cfg: DecodeConfig):
-    if dispatch.use_triton(args.q, dispatch.decode_unsupported(args), cfg.impl):
-        from .decode import attention_triton as decode_triton
-
-        return decode_triton.run_decode_triton(args, cfg)
+    launch = _decode_launch(args, cfg)
+    if launch is not None:
+        return launch.run(args.q, args.k_cache, args.v_cache, args.selected)
     return sparse_decode_attention_torch(args)
+
+
+def _decode_launch(args: AttnArgs, cfg: DecodeConfig):
+    """The decode kernel's launch for a call it runs (``DecodeLaunch``); None where the torch
+    path runs it."""
+    if not dispatch.use_triton(args.q, dispatch.decode_unsupported(args), cfg.impl):
+        return None
+    from .decode import attention_triton as decode_triton
+
+    return decode_triton.DecodeLaunch(args, cfg)
 
 
 @attention_op()
@@ -469,13 +478,8 @@ class PlannedAttention:
 
     def __init__(self, args: AttnArgs):
         self.args = args
-        self._launch = None
-        # The choice _sparse and _decode make for this call.
-        decode = dispatch.runs_decode(args)
-        if decode and dispatch.use_triton(args.q, dispatch.decode_unsupported(args), DECODE_DEFAULTS.impl):
-            from .decode import attention_triton as decode_triton
-
-            self._launch = decode_triton.DecodeLaunch(args, DECODE_DEFAULTS)
+        # The decode kernel's launch where _sparse runs it, else the call goes to _sparse.
+        self._launch = _decode_launch(args, DECODE_DEFAULTS) if dispatch.runs_decode(args) else None
 
     @functools.cached_property
     def _metas(self) -> tuple:

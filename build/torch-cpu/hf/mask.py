@@ -60,9 +60,8 @@ def create_causal_mask(*args, **kwargs):
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         cache = kwargs.get("past_key_values")
         if isinstance(cache, M3PagedCache):
-            cache.check_model(config)  # before the step changes anything
             embeds = kwargs.get("inputs_embeds", args[1] if len(args) > 1 else None)
-            cache.begin_step(mask, embeds.shape[1], device=embeds.device)
+            cache.begin_step(mask, embeds.shape[1], device=embeds.device, config=config)
         else:
             set_step_mask(None if mask is None else mask.to(torch.bool))
     return _ORIGINAL_CREATE_CAUSAL_MASK(*args, **kwargs)

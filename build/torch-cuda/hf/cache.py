@@ -595,16 +595,20 @@ class M3PagedCache(Cache):
     # other devices (device_map) and the flat rows of eager writes made on first use.
     _STATE = ("seq_lens", "step_kv_lens", "pending", "slots")
 
-    def begin_step(self, attention_mask: torch.Tensor | None, q_len: int, device=None) -> None:
+    def begin_step(self, attention_mask: torch.Tensor | None, q_len: int, device=None, config=None) -> None:
         """Begin a forward pass of ``q_len`` new tokens per sequence: commit the last step,
         check capacity, and place the new tokens. ``attention_mask`` is the pass's 2-D padding
         mask (``[B, >= q_len]``, the new tokens last; ``None``: no padding). Called by the
-        model's ``create_causal_mask`` (wrapped by this package) before the layers run; a
-        layer updated outside a model forward begins a step with no padding by itself.
+        model's ``create_causal_mask`` (wrapped by this package) before the layers run, with
+        the model's (text) ``config``, checked first (:meth:`check_model`) so that the
+        step's layers need not check it again (:meth:`layer_for`); a layer updated outside
+        a model forward begins a step with no padding by itself.
 
         Eager calls check capacity on the host and raise before anything changes; a compiled
         step does not (see :meth:`check_generation`) and sends positions past the block table
         to the scratch page."""
+        if config is not None:
+            self.check_model(config)  # before the step changes anything
         if device is None:
             device = attention_mask.device if attention_mask is not None else self.block_tables.device
         if not torch.compiler.is_compiling():
@@ -637,7 +641,8 @@ class M3PagedCache(Cache):
         layers = len(self.layers)
         self._step = {
             "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {}, "rows": {},
-            "updated": [False] * layers, "indexed": [False] * layers, "config": None,
+            "updated": [False] * layers, "indexed": [False] * layers,
+            "config": None if config is None else (config, getattr(config, "_attn_implementation", None)),
         }
 
     def _cu_seqlens(self, device: torch.device, q_len: int) -> torch.Tensor:
@@ -733,9 +738,9 @@ class M3PagedCache(Cache):
     def layer_for(self, layer_idx: int, config, is_sparse: bool) -> M3PagedLayer:
         """The layer that serves attention layer ``layer_idx`` of a model with ``config``
         (its text config), after checking that the model runs m3_sparse and that the layer
-        fits it (the whole model was checked by :meth:`check_model` before the pass). The
-        first layer of a step checks ``config``; the step's other layers only that they come
-        with the same config object, still on the same attention implementation."""
+        fits it. A step begun with the model's config (:meth:`begin_step`) checked the whole
+        model: its layers only check that they come with that config object, still on the
+        same attention implementation."""
         step = self._step
         impl = getattr(config, "_attn_implementation", None)
         checked = step["config"] if step is not None else None
@@ -753,9 +758,6 @@ class M3PagedCache(Cache):
                 f"{layer_idx}. Build the cache from this model's config."
             )
         self._check_kind(layer_idx, is_sparse)
-        if step is not None:
-            self.check_model(config)  # every layer fits: the step's other layers skip the checks
-            step["config"] = (config, impl)
         return self.layers[layer_idx]
 
     def check_generation(self, total_tokens: int) -> None:
