@@ -20,8 +20,8 @@ host's speed drifts between repetitions more than within one). Rows go to
 
 ``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
 sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``, the
-runs of the ``index_topk`` and ``sparse_attention`` plans, the attention function) and the
-dense twin's attention function, each recorded with its arguments and repeated alone
+runs of the ``index_topk`` and ``sparse_attention`` plans, the attention function), the run of
+the first full layer's ``dense_paged_attention`` plan, and the dense twin's attention function, each recorded with its arguments and repeated alone
 (``index_prep`` writes the step's index keys into their pages again, the same values; the
 others write nothing); host microseconds a call, the median of ``--reps`` rounds of
 ``PIECE_CALLS`` calls.
@@ -51,6 +51,7 @@ PIECE_OPS = ("index_prep",)
 PIECE_PLANS = (
     ("PlannedIndexTopk", "index_topk (a plan's run)"),
     ("PlannedAttention", "sparse_attention (a plan's run)"),
+    ("PlannedDenseAttention", "dense_paged_attention (a plan's run, a full layer)"),
 )
 PIECE_CALLS = 200
 M3_FUNCTION = "attention function (m3_sparse)"
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
                     sizes={"size": args.sizes}, calls=PIECE_CALLS, reps=args.reps)
     results.write()
     if pieces:
-        log("| piece (one decode step, first sparse layer; the dense twin's first layer) | host us a call |")
+        log("| piece (one decode step: the first sparse layer, the first full layer; the dense twin's first layer) "
+            "| host us a call |")
         log("|---|---|")
         for piece in pieces:
             log(f"| {piece['piece']} | {piece['us']:.1f} |")

@@ -117,10 +117,11 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=30, **kwargs):
 
 
 def spy_op_calls(api, monkeypatch, record) -> None:
-    """Call ``record(name, kwargs)`` for every ``index_topk`` and ``sparse_attention`` call
-    of ``api`` (a loaded kernel's), whether the integration calls the op or runs a plan of
-    it (eager decode steps): ``kwargs`` then holds the run's tensors and the plan's options."""
-    for name in ("index_topk", "sparse_attention"):
+    """Call ``record(name, kwargs)`` for every ``index_topk``, ``sparse_attention`` and
+    ``dense_paged_attention`` call of ``api`` (a loaded kernel's), whether the integration
+    calls the op or runs a plan of it (eager decode steps): ``kwargs`` then holds the run's
+    tensors and the plan's options."""
+    for name in ("index_topk", "sparse_attention", "dense_paged_attention"):
         real = getattr(api, name)
 
         def op_spy(*args, _real=real, _name=name, **kwargs):
@@ -141,5 +142,12 @@ def spy_op_calls(api, monkeypatch, record) -> None:
         record("sparse_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache, "selected": selected})
         return run_attention(self, q, k_cache, v_cache, selected)
 
+    run_dense = api.PlannedDenseAttention.run
+
+    def dense_spy(self, q, k_cache, v_cache):
+        record("dense_paged_attention", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        return run_dense(self, q, k_cache, v_cache)
+
     monkeypatch.setattr(api.PlannedIndexTopk, "run", topk_spy)
     monkeypatch.setattr(api.PlannedAttention, "run", attention_spy)
+    monkeypatch.setattr(api.PlannedDenseAttention, "run", dense_spy)

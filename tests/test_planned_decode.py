@@ -1,7 +1,8 @@
-"""Eager decode steps over an ``M3PagedCache`` run the sparse layers' ops through plans kept
-on the cache (``api.plan_index_topk`` / ``api.plan_sparse_attention``, made once per call
-shape and run by every sparse layer at every step): the logits are the op calls' exactly,
-for a left-padded batch and fp8 caches, and the plans are made once, not per layer or step."""
+"""Eager decode steps over an ``M3PagedCache`` run the layers' ops through plans kept on the
+cache (``api.plan_index_topk`` / ``api.plan_sparse_attention`` for the sparse layers,
+``api.plan_dense_paged_attention`` for the full-attention ones; made once per call shape and
+run by every layer of that kind at every step): the logits are the op calls' exactly, for a
+left-padded batch and fp8 caches, and the plans are made once, not per layer or step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ integration = kernel_module("hf.attention")  # the loaded module, whose settings
 kernel = m3_hf_attention.load_kernel()
 FP8 = torch.float8_e4m3fn
 STEPS = 8
+PLANS = ("plan_dense_paged_attention", "plan_index_topk", "plan_sparse_attention")
 CACHES = {
     "bf16_model_dtype": {},
     "fp8_index_keys": {"index_key_dtype": FP8},
@@ -41,7 +43,7 @@ def model(model_path):
 @pytest.fixture
 def plans_made(monkeypatch):
     made = []
-    for name in ("plan_index_topk", "plan_sparse_attention"):
+    for name in PLANS:
         real = getattr(kernel.api, name)
         monkeypatch.setattr(kernel.api, name, lambda *a, _real=real, _name=name, **kw: made.append(_name) or _real(*a, **kw))
     return made
@@ -80,18 +82,18 @@ def _planned_against_ops(model, plans_made, monkeypatch, options):
     width = ids.shape[1] + STEPS
     cache = M3PagedCache(model.config, ids.shape[0], width, page_size=16, **options)
     planned = _decode(model, cache, ids, mask, STEPS)
-    # One plan per op for every sparse layer and step (the prefill calls the ops).
-    assert sorted(plans_made) == ["plan_index_topk", "plan_sparse_attention"]
-    assert len(cache.plans) == 2
+    # One plan per op for every layer and step (the prefill calls the ops).
+    assert sorted(plans_made) == list(PLANS)
+    assert len(cache.plans) == len(PLANS)
 
     cache.reset()
     again = _decode(model, cache, ids, mask, STEPS)
-    assert len(plans_made) == 2  # a reset cache keeps its plans: the same tensors, updated in place
+    assert len(plans_made) == len(PLANS)  # a reset cache keeps its plans: the same tensors, updated in place
     torch.testing.assert_close(again, planned, atol=0, rtol=0)
 
     monkeypatch.setattr(integration, "PLANNED_MAX_QUERIES", 0)  # every call through the ops
     direct = _decode(model, M3PagedCache(model.config, ids.shape[0], width, page_size=16, **options), ids, mask, STEPS)
-    assert len(plans_made) == 2
+    assert len(plans_made) == len(PLANS)
     torch.testing.assert_close(planned, direct, atol=0, rtol=0)
 
 
@@ -111,7 +113,7 @@ def test_plans_follow_the_step_length(model, plans_made, monkeypatch):
                 ops_only.setattr(integration, "PLANNED_MAX_QUERIES", 0)
                 want = model(input_ids=chunk, past_key_values=reference, use_cache=True).logits
             torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert len(plans_made) == 2 * 3  # one pair per step length (1, 3, 2)
+    assert len(plans_made) == len(PLANS) * 3  # one set per step length (1, 3, 2)
 
 
 def test_a_plan_is_remade_when_the_metadata_tensors_change(model):

@@ -9,8 +9,9 @@ Public ops (``api``; token-major queries, paged caches):
   ``kvouter_attention``);
 * ``dense_paged_attention``: dense attention over the same paged cache (flash-attn-4, Triton
   or torch; ``dense_paged_attention_kernel`` says which runs a call);
-* ``plan_index_topk``, ``plan_sparse_attention``: the two ops checked and set up once, then
-  run per layer on tensors of the same shapes (an eager decode step's sparse layers);
+* ``plan_index_topk``, ``plan_sparse_attention``, ``plan_dense_paged_attention``: those ops
+  checked and set up once, then run per layer on tensors of the same shapes (an eager
+  decode step's layers);
 * the stages of ``kvouter_attention`` (torch references): ``build_kvouter_index``,
   ``schedule``, ``kvouter_partials``, ``combine``;
 * ``reference``: naive per-token oracles for tests;
@@ -42,6 +43,7 @@ from .api import (
     index_prep,
     index_topk,
     kvouter_attention,
+    plan_dense_paged_attention,
     plan_index_topk,
     plan_sparse_attention,
     sparse_attention,
@@ -90,6 +92,7 @@ __all__ = [
     "kvouter_partials",
     "m3_sparse_attention",
     "ops",
+    "plan_dense_paged_attention",
     "plan_index_topk",
     "plan_sparse_attention",
     "reference",

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_88e4a6bcea"
+NAMESPACE = "_m3_sparse_cuda_e1e0996e17"
 
 ops = getattr(torch.ops, NAMESPACE)
 

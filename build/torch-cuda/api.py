@@ -505,20 +505,63 @@ def dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = None) 
     installed and takes the call, the Triton kernel on other CUDA calls, torch elsewhere;
     ``config.impl`` or ``M3_SPARSE_DENSE_IMPL`` pins one. On flash-attn-4 the slots past
     each sequence's length in its last page are set to zero first (it reads whole pages)."""
-    cfg = config or DENSE_DEFAULTS
-    kernel = dispatch.dense_kernel(args, cfg)
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
-                   kernel, args.num_tokens, args.batch, args.page_size)
-    if kernel == "fa4":
-        from .dense import attention_fa4 as dense_fa4
+    return PlannedDenseAttention(args, config or DENSE_DEFAULTS).planned_call()
 
-        return dense_fa4.run_dense_fa4(args)
-    if kernel == "triton":
-        from .dense import attention_triton as dense_triton
 
-        return dense_triton.run_dense_triton(args, cfg)
-    return dense_paged_attention_torch(args)
+@attention_op(without=_SPARSE_ONLY)
+def plan_dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = None) -> PlannedDenseAttention:
+    """:func:`dense_paged_attention`'s checks, kernel choice and launch set-up, once: the
+    returned plan's ``run(q, k_cache, v_cache)`` answers what ``dense_paged_attention``
+    would for tensors of these shapes, strides and dtypes, with this call's block tables,
+    ``cu_seqlens_q`` and ``used_kv_lens`` (read in place at every run: contiguous int32
+    tensors, updated in place between runs, as a paged cache does). A decode step's
+    full-attention layers make the same call on their own pools: plan once, run per layer.
+    Same arguments as :func:`dense_paged_attention`."""
+    _check_plan_metadata(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
+    return PlannedDenseAttention(args, config or DENSE_DEFAULTS)
+
+
+class PlannedDenseAttention:
+    """:func:`dense_paged_attention` on a checked call, its kernel chosen and, for the Triton
+    kernel, its launch set up (:func:`plan_dense_paged_attention`)."""
+
+    def __init__(self, args: AttnArgs, cfg: DenseConfig):
+        self.args = args
+        self.kernel = dispatch.dense_kernel(args, cfg)
+        self._launch = None  # the Triton kernel's launch, set up once
+        if self.kernel == "triton":
+            from .dense import attention_triton as dense_triton
+
+            self._launch = dense_triton.DenseLaunch(args, cfg)
+
+    @functools.cached_property
+    def _metas(self) -> tuple:
+        return tuple((name, tensor_meta(getattr(self.args, name))) for name in ("q", "k_cache", "v_cache"))
+
+    def run(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
+        _check_like(self._metas, (q, k_cache, v_cache))
+        if self._launch is not None:
+            return self._launch.run(q, k_cache, v_cache)
+        return self._other(self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache))
+
+    def planned_call(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The result of the call the plan was made from."""
+        args = self.args
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
+                       self.kernel, args.num_tokens, args.batch, args.page_size)
+        if self._launch is not None:
+            return self._launch.run(args.q, args.k_cache, args.v_cache)
+        return self._other(args)
+
+    def _other(self, args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """flash-attn-4 or torch, whichever the plan chose."""
+        if self.kernel == "fa4":
+            from .dense import attention_fa4 as dense_fa4
+
+            return dense_fa4.run_dense_fa4(args)
+        return dense_paged_attention_torch(args)
 
 
 @attention_op(without=_SPARSE_ONLY)
@@ -535,12 +578,14 @@ __all__ = [
     "IndexConfig",
     "KVOuterConfig",
     "PlannedAttention",
+    "PlannedDenseAttention",
     "PlannedIndexTopk",
     "dense_paged_attention",
     "dense_paged_attention_kernel",
     "index_prep",
     "index_topk",
     "kvouter_attention",
+    "plan_dense_paged_attention",
     "plan_index_topk",
     "plan_sparse_attention",
     "sparse_attention",

@@ -3,7 +3,8 @@ launch through Triton gives, and a call Triton would specialize differently (ano
 an unaligned address, an int of another value or type) never reuses another call's kernel.
 
 The key is checked on the CPU; the launches on a CUDA device (the decode kernel, with the
-direct path on and off, an unaligned query and a profiler's launch hook)."""
+direct path on and off, an unaligned query and a profiler's launch hook; the dense kernel's
+TMA descriptors and its split merge)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,29 @@ def test_key_separates_what_triton_specializes():
     assert key(buf) != key(buf.float())
     assert key(True) != key(1) and key(1) != key(16) and key(None) != key(0)
     assert key(0.5) == key(2.0)  # passed as fp32 whatever the value
+
+
+def test_key_of_a_tensor_descriptor(monkeypatch):
+    """A descriptor is keyed like Triton types it (dtype, block shape), never by its base."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    monkeypatch.setattr(launch, "_descriptor_class", TensorDescriptor)
+
+    def key(t, block):
+        return launch._args_key((TensorDescriptor.from_tensor(t, block),))[0]
+
+    pool = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert key(pool, [16, 32]) == key(torch.ones(128, 32, dtype=torch.bfloat16), [16, 32])
+    assert key(pool, [16, 32]) != key(pool, [32, 32])
+    assert key(pool, [16, 32]) != key(pool.float(), [16, 32])
+    hash(key(pool, [16, 32]))
+
+
+def test_kernel_lookup_learns_the_descriptor_class():
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    from m3_sparse.dense import attention_triton
+
+    launch._cache_for(attention_triton._dense_paged_attn_kernel)
+    assert launch._descriptor_class is TensorDescriptor
 
 
 def test_interpreter_launches_through_triton(monkeypatch):
@@ -134,3 +158,47 @@ def test_launch_hooks_see_every_launch(monkeypatch):
     torch.cuda.synchronize()
     assert seen, "a profiler's launch hook was bypassed"
     assert torch.equal(out, ref)
+
+
+def _dense_call(seed, splits: int):
+    """A dense decode batch (3 sequences, one query each, ragged lengths) on the GPU, as
+    (kwargs, config): key tiles as TMA boxes, ``splits`` key splits."""
+    from m3_sparse.dense.plan import DenseConfig
+
+    g = gen(seed)
+    hq, hkv, d, ps = 8, 2, 64, 32
+    pages = 12
+    k = randn(g, pages, hkv, ps, d, dtype=torch.bfloat16)
+    v = randn(g, pages, hkv, ps, d, dtype=torch.bfloat16)
+    tables = torch.randperm(pages, generator=g).to(torch.int32).view(3, 4)
+    q = randn(g, 3, hq, d, dtype=torch.bfloat16)
+    cu = torch.arange(4, dtype=torch.int32)
+    lens = torch.tensor([100, 7, 128], dtype=torch.int32)
+    q, k, v, tables, cu, lens = (t.cuda() for t in (q, k, v, tables, cu, lens))
+    call = dict(q=q, k_cache=k, v_cache=v, block_tables=tables, cu_seqlens_q=cu, used_kv_lens=lens, return_lse=True,
+                max_seqlen_q=1)
+    return call, DenseConfig(impl="triton", block_n=32, use_tma=True, num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_direct_dense_launches_match_triton_launches(monkeypatch, splits):
+    """The dense kernel takes its K/V pools as TMA descriptors, and its key splits go through
+    the split merge: both launched directly after their first call."""
+    from m3_sparse.core import split_merge
+    from m3_sparse.dense import attention_triton
+
+    call, cfg = _dense_call(2, splits)
+    first = m3_sparse.dense_paged_attention(**call, config=cfg)
+    again = m3_sparse.dense_paged_attention(**call, config=cfg)
+    for kernel in (attention_triton._dense_paged_attn_kernel, split_merge._merge_splits_kernel)[:1 + (splits > 1)]:
+        if launch._cache_for(kernel) is not None:
+            assert launch._launch_cache[kernel], f"{kernel} was not kept for direct launches"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_TRITON", ())
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    through_triton = m3_sparse.dense_paged_attention(**call, config=cfg)
+    ref = m3_sparse.dense_paged_attention(**call, config=cfg.__class__(impl="torch"))
+    for got in (first, again):
+        assert torch.equal(got[0], through_triton[0]) and torch.equal(got[1], through_triton[1])
+    torch.testing.assert_close(first[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)

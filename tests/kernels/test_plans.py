@@ -1,5 +1,5 @@
-"""Plans of the ops (``api.plan_sparse_attention``, ``api.plan_index_topk``): checked, the
-kernel chosen and its launch set up once; a plan's ``run`` on fresh tensors of the planned
+"""Plans of the ops (``api.plan_sparse_attention``, ``api.plan_index_topk``,
+``api.plan_dense_paged_attention``): checked, the kernel chosen and its launch set up once; a plan's ``run`` on fresh tensors of the planned
 shapes answers what the op answers for them, reads the batch metadata in place at every
 run, and refuses tensors unlike the planned ones.
 
@@ -15,6 +15,7 @@ import torch
 
 import m3_sparse
 from kernel_test_utils import gen, make_batch, randn, random_selection
+from m3_sparse.dense.plan import DenseConfig
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 HQ, HKV, D, PAGE, BLOCK, TOPK = 4, 2, 32, 16, 16, 4
@@ -94,6 +95,41 @@ def test_index_topk_plan_runs_like_the_op(impl, seqs, fp8):
     assert changed  # the shorter lengths do change the selection: the last run tested reading them
 
 
+# The dense kernel's launches: its default (one key split per tile at these sizes, key tiles
+# as TMA boxes where the interpreter or the GPU takes them), gathered loads, and key splits
+# merged by the split merge.
+DENSE_CONFIGS = {
+    "default": DenseConfig(),
+    "pointers_splits": DenseConfig(block_n=16, use_tma=False, num_splits=3),
+    "tma_splits": DenseConfig(block_n=16, use_tma=True, num_splits=2),
+}
+
+
+@pytest.mark.parametrize("seqs", SEQS.values(), ids=SEQS.keys())
+@pytest.mark.parametrize("config", DENSE_CONFIGS.values(), ids=DENSE_CONFIGS.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_dense_attention_plan_runs_like_the_op(impl, seqs, config, causal):
+    g = gen(15)
+    batch = make_batch(g, seqs, PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, max_seqlen_q=max(n for _, n in seqs), causal=causal,
+                return_lse=True, config=config)
+    q, k, v, _ = _attention_call(g, batch, torch.bfloat16)
+    plan = m3_sparse.plan_dense_paged_attention(q, k, v, tables, **meta)
+    assert plan.kernel == impl
+    for step in range(3):
+        if step == 2:
+            kv_lens.copy_((kv_lens - 5).clamp(min=torch.tensor([n for _, n in seqs], device=DEVICE)))
+        q, k, v, _ = _attention_call(g, batch, torch.bfloat16)
+        out, lse = plan.run(q, k, v)
+        want, want_lse = m3_sparse.dense_paged_attention(q, k, v, tables, **meta)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), f"step {step}"
+    # ... and against the oracle: the last run read the shortened lengths.
+    ref, ref_lse = m3_sparse.dense_paged_attention(q, k, v, tables, **{**meta, "config": DenseConfig(impl="torch")})
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
 def test_a_plan_refuses_tensors_unlike_the_planned_ones():
     g = gen(13)
     batch = make_batch(g, SEQS["one_token"], PAGE)
@@ -118,11 +154,17 @@ def test_a_plan_refuses_tensors_unlike_the_planned_ones():
     with pytest.raises(ValueError, match="index_k_cache: the plan was made for shape"):
         index_plan.run(index_q, cache[:-1], None)
 
+    dense_plan = m3_sparse.plan_dense_paged_attention(q, k, v, tables, cu_seqlens_q=cu, used_kv_lens=kv_lens)
+    with pytest.raises(ValueError, match=r"k_cache: the plan was made for shape .*; got shape"):
+        dense_plan.run(q, k[:-1], v)
+    with pytest.raises(ValueError, match=r"q: .*torch.float32 .*torch.bfloat16"):
+        dense_plan.run(q.bfloat16(), k, v)
+
 
 @pytest.mark.parametrize("name", ["block_tables", "cu_seqlens_q", "used_kv_lens"])
 @pytest.mark.parametrize("how", ["int64", "strided"])
 def test_plans_take_metadata_they_can_read_in_place(name, how):
-    """A copy of int64 or strided metadata would not see in-place updates: both plans refuse it."""
+    """A copy of int64 or strided metadata would not see in-place updates: every plan refuses it."""
     g = gen(14)
     batch = make_batch(g, SEQS["one_token"], PAGE)
     meta = dict(zip(("block_tables", "cu_seqlens_q", "used_kv_lens"),
@@ -137,3 +179,5 @@ def test_plans_take_metadata_they_can_read_in_place(name, how):
         m3_sparse.plan_sparse_attention(q, k, v, sel, tables, block_size=BLOCK, **meta)
     with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .*{why}"):
         m3_sparse.plan_index_topk(index_q, cache, tables, topk=TOPK, block_size=BLOCK, **meta)
+    with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .*{why}"):
+        m3_sparse.plan_dense_paged_attention(q, k, v, tables, **meta)

@@ -206,6 +206,29 @@ def test_kept_arrival_counts_are_left_zero():
     assert torch.count_nonzero(counts).item() == 0
 
 
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["merge_in_place", "merge_kernel"])
+def test_a_launch_run_again_reuses_its_scratch(fused_merge):
+    """A launch (a plan's) keeps its split workspaces and arrival counts between runs: runs
+    on fresh inputs of the planned shapes are each right, with one set of scratch buffers."""
+    from m3_sparse.core.validate import attention_args
+
+    batch, q, k, v, sel = _setup(99, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
+    bt, cu, kv = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=None, causal=True, return_lse=True, block_size=32)
+    args = attention_args(*_to(q, k, v), bt, selected=_to(sel)[0], **meta)
+    launch = tdec.DecodeLaunch(args, decplan.DecodeConfig(num_splits=3, fused_merge=fused_merge))
+    assert launch.plan.merge is fused_merge and not launch.plan.final
+    sets = []
+    for seed in (100, 101, 102):
+        _, q, k, v, sel = _setup(seed, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
+        out, lse = launch.run(*_to(q, k, v, sel))
+        _check(f"run {seed}", _oracle(batch, q, k, v, sel, 32), out.cpu(), lse.cpu(), torch.bfloat16)
+        sets.append(launch.scratch.get(out.device))
+        if fused_merge:
+            assert torch.count_nonzero(sets[-1][3]).item() == 0
+    assert all(s is sets[0] for s in sets)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize(
     "bad, match",

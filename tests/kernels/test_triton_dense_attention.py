@@ -323,3 +323,42 @@ def test_tma_reasons():
     assert "block_n" in tda._tma_unusable(cache, cache, 128, 32)
     assert "head dim" in tda._tma_unusable(cache, cache, 64, 64)
     assert tda._tma_unusable(cache, cache, 32, 32) is None
+
+
+def _unaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, contiguous, one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def test_launch_keeps_descriptors_per_pool_and_loads_unaligned_pools_gathered():
+    """A planned launch keeps the TMA descriptors of each pair of pools it ran on; pools at an
+    address a TMA box cannot start from (same shapes and strides) run with gathered loads,
+    unless TMA was required."""
+    batch, q, k, v = _problem(21, [(150, 1), (40, 1)], 32, 8, 2, 32, torch.bfloat16)
+    q, k, v = (x.to(DEVICE) for x in (q, k, v))
+    call = dict(cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE),
+                softmax_scale=SCALE, causal=True, return_lse=True, sparse=False, allow_fp8=False)
+    tables = batch.block_tables.to(DEVICE)
+    launch = tda.DenseLaunch(attention_args(q, k, v, tables, **call), dplan.DenseConfig(block_n=32))
+    assert launch.tma
+    want = dense_torch(q, k, v, tables, cu_seqlens_q=call["cu_seqlens_q"], used_kv_lens=call["used_kv_lens"],
+                       softmax_scale=SCALE, return_lse=True)
+    for _ in range(2):
+        out, lse = launch.run(q, k, v)
+    assert len(launch._descriptors) == 1
+    k2, v2 = k.clone(), v.clone()
+    out2, lse2 = launch.run(q, k2, v2)
+    assert len(launch._descriptors) == 2 and torch.equal(out2, out) and torch.equal(lse2, lse)
+    ku, vu = _unaligned_copy(k), _unaligned_copy(v)
+    assert ku.stride() == k.stride() and ku.data_ptr() % 16
+    out_u, lse_u = launch.run(q, ku, vu)
+    assert len(launch._descriptors) == 2
+    for o, l in ((out, lse), (out_u, lse_u)):
+        assert_close("planned launch vs torch", want[0].cpu(), o, 2 * TOLERANCES[torch.bfloat16])
+        assert_close("planned launch lse vs torch", want[1].cpu(), l, LSE_TOL)
+    required = tda.DenseLaunch(attention_args(q, k, v, tables, **call), dplan.DenseConfig(block_n=32, use_tma=True))
+    with pytest.raises(ValueError, match="use_tma=True: .*16-byte boundaries"):
+        required.run(q, ku, vu)

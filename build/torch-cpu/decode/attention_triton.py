@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
-from ..core.launch import contiguous, launch_kernel, next_pow2, tl_dtype
+from ..core.launch import StreamBuffers, contiguous, launch_kernel, next_pow2, tl_dtype
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args, value_checks_enabled
@@ -321,6 +321,19 @@ class DecodeLaunch:
             PV_DT=tl_dtype(args.out_dtype),
             num_warps=p.num_warps, num_stages=p.num_stages,
         )
+        if not p.final:
+            self.scratch = StreamBuffers(self._make_scratch)
+
+    def _make_scratch(self, device) -> tuple:
+        """(o, m, l) split workspaces, and the arrival counts of the in-place merge (zeros,
+        which every launch leaves zero) or None."""
+        rows = self.ws_rows
+        counts = None
+        if self.plan.merge:
+            counts = torch.zeros(self.args.num_tokens * self.args.hkv, dtype=torch.int32, device=device)
+        return (torch.empty(rows, self.args.d, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device), counts)
 
     def run(self, q, k_cache, v_cache, selected, arrival_counts=None):
         """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
@@ -329,21 +342,15 @@ class DecodeLaunch:
         out, lse = args.new_outputs(no_keys=args.selected.shape[2] == 0)
         if self.empty:
             return out, lse
-        p, d, device = self.plan, args.d, q.device
-        counts = None
+        p, device = self.plan, q.device
         if arrival_counts is not None:
             arrival_counts = _check_counts(arrival_counts, args.num_tokens * args.hkv, device)
         if p.final:
-            o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+            o_buf, m_buf, l_buf, counts = out, (lse if lse is not None else out), out, None
         else:
-            o_buf = torch.empty(self.ws_rows, d, dtype=torch.float32, device=device)
-            m_buf = torch.empty(self.ws_rows, dtype=torch.float32, device=device)
-            l_buf = torch.empty(self.ws_rows, dtype=torch.float32, device=device)
-            if p.merge and arrival_counts is not None:
+            o_buf, m_buf, l_buf, counts = self.scratch.get(device)
+            if counts is not None and arrival_counts is not None:
                 counts = arrival_counts
-            elif p.merge:
-                # Zeroed by each call (and by each replay of a captured one).
-                counts = torch.zeros(args.num_tokens * args.hkv, dtype=torch.int32, device=device)
         block_tables = self.block_tables
         launch_kernel(
             _decode_split_kernel, self.grid,

@@ -44,7 +44,9 @@ import triton.language as tl
 
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
-from ..core.launch import contiguous, device_capability, device_index, interpreting, next_pow2, tl_dtype
+from ..core.launch import (
+    StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, tl_dtype,
+)
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits
 from ..core.validate import attention_args
@@ -127,6 +129,8 @@ def _dense_paged_attn_kernel(
     num_seqs,
     qk_scale,
     scale_ptr,
+    k_desc,
+    v_desc,
     G: tl.constexpr,
     GP: tl.constexpr,
     TM: tl.constexpr,
@@ -143,8 +147,6 @@ def _dense_paged_attn_kernel(
     KV_FP8: tl.constexpr,
     WIDEN_K: tl.constexpr,
     PV_DT: tl.constexpr,
-    k_desc,
-    v_desc,
     HKV: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -286,58 +288,105 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
     ``args.out_dtype``, lse [Hq, Tq] fp32 or None). ``args.max_seqlen_q`` (an upper bound is
     enough) only shrinks the query tile for decode-like batches; launch choices never change
     results beyond rounding."""
-    cfg = cfg or DEFAULT_CONFIG
-    why = shape_reason(args)
-    if why is not None:
-        raise ValueError(why)
-    q, k_cache, v_cache, scales = args.q, args.k_cache, args.v_cache, args.scales
-    block_tables, cu_seqlens_q, used_kv_lens = contiguous(args.block_tables, args.cu_seqlens_q, args.used_kv_lens)
-    softmax_scale, causal, return_lse, out_dtype = args.softmax_scale, args.causal, args.return_lse, args.out_dtype
-    num_tokens, hq, d = q.shape
-    hkv, page_size, group = args.hkv, args.page_size, args.group
-    device = q.device
-    q_fp8, kv_fp8 = args.q_fp8, args.kv_fp8
-    out, lse = args.new_outputs()
-    batch = args.batch
-    if num_tokens == 0 or batch <= 0:
+    return DenseLaunch(args, cfg or DEFAULT_CONFIG).run(args.q, args.k_cache, args.v_cache)
+
+
+class DenseLaunch:
+    """The dense kernel's launch for one checked call, planned once (tiles, split count, the
+    TMA choice, the kernel's constants, the metadata as the kernel reads it). :meth:`run`
+    launches it for q and caches of the call's shapes, strides and dtypes: a decode step's
+    full-attention layers make the same call on their own pools."""
+
+    DESCRIPTORS_KEPT = 64  # pools whose descriptors a launch keeps (one pair per layer)
+
+    def __init__(self, args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG):
+        why = shape_reason(args)
+        if why is not None:
+            raise ValueError(why)
+        self.args, self.cfg = args, cfg
+        self.block_tables, self.cu_seqlens_q, self.used_kv_lens = contiguous(
+            args.block_tables, args.cu_seqlens_q, args.used_kv_lens
+        )
+        num_tokens, batch = args.num_tokens, args.batch
+        self.empty = num_tokens == 0 or batch <= 0
+        if self.empty:
+            return
+        p = self.plan = plan(args, cfg)
+        self.final = p.num_splits == 1
+        why_not = _tma_unusable(args.k_cache, args.v_cache, p.bn, p.bd)
+        if cfg.use_tma and why_not:
+            raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
+        self.tma = why_not is None and cfg.use_tma is not False
+        self._descriptors: dict = {}
+        if not self.final:  # the splits' raw (o, m, l), reused from run to run
+            rows = num_tokens * args.hkv * p.num_splits * args.group
+            self.scratch = StreamBuffers(lambda device: (
+                torch.empty(rows, args.d, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+            ))
+        self.grid = (num_tokens // p.tm + batch, args.hkv, p.num_splits)
+        self.ints = (num_tokens, batch)
+        self.scale = float(args.softmax_scale) * LOG2E
+        self.constants = dict(
+            G=args.group, GP=p.gp, TM=p.tm, D=args.d, BD=p.bd, BN=p.bn, PS=args.page_size,
+            CAUSAL=bool(args.causal), RETURN_LSE=bool(args.return_lse), SEARCH_STEPS=max(0, batch - 1).bit_length(),
+            PREC="ieee" if args.q.dtype == torch.float32 else None,
+            FINAL=self.final, Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
+            PV_DT=tl_dtype(args.out_dtype), HKV=args.hkv,
+            num_warps=p.num_warps, num_stages=p.num_stages,
+        )
+
+    def _tma_pair(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """(k, v) descriptors of these pools seen as ``[rows, D]``, or None where a run loads
+        them gathered. Kept per pair of pool addresses: a kept descriptor holds its pool, so
+        an address names one live pool, and the planned shapes and strides are the run's."""
+        if not self.tma:
+            return None
+        key = (k_cache.data_ptr(), v_cache.data_ptr())
+        pair = self._descriptors.get(key)
+        if pair is None:
+            if (key[0] | key[1]) % 16:
+                # Views at an odd offset: the planned pools were aligned, these are not.
+                if self.cfg.use_tma:
+                    raise ValueError("use_tma=True: the K/V pages cannot be loaded as TMA boxes here: cache rows "
+                                     "must start on 16-byte boundaries")
+                return None
+            if len(self._descriptors) >= self.DESCRIPTORS_KEPT:
+                self._descriptors.clear()
+            d, p = self.args.d, self.plan
+            pair = self._descriptors[key] = (
+                TensorDescriptor.from_tensor(k_cache.view(-1, d), [p.bn, p.bd]),
+                TensorDescriptor.from_tensor(v_cache.view(-1, d), [p.bn, p.bd]),
+            )
+        return pair
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
+        dtypes are the planned call's: ``api.PlannedDenseAttention`` checks them)."""
+        args = self.args
+        out, lse = args.new_outputs()
+        if self.empty:
+            return out, lse
+        if self.final:
+            o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
+        else:
+            o_buf, m_buf, l_buf = self.scratch.get(q.device)
+        pair = self._tma_pair(k_cache, v_cache)
+        k_desc, v_desc = pair if pair is not None else (k_cache, k_cache)  # placeholders without TMA
+        block_tables = self.block_tables
+        launch_kernel(
+            _dense_paged_attn_kernel, self.grid,
+            q, k_cache, v_cache, block_tables, self.cu_seqlens_q, self.used_kv_lens, o_buf, m_buf,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            l_buf, *self.ints, self.scale,
+            args.scales if args.scales is not None else l_buf,
+            k_desc, v_desc,
+            TMA=pair is not None, **self.constants,
+        )
+        if not self.final:
+            merge_splits(o_buf, m_buf, l_buf, out, lse, self.plan.num_splits, args.group)
         return out, lse
-    p = plan(args, cfg)
-    gp, tm, bn, bd, num_splits, num_warps, num_stages = p.gp, p.tm, p.bn, p.bd, p.num_splits, p.num_warps, p.num_stages
-    final = num_splits == 1
-    if final:
-        o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
-    else:
-        ws_rows = num_tokens * hkv * num_splits * group
-        o_buf = torch.empty(ws_rows, d, dtype=torch.float32, device=device)
-        m_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
-        l_buf = torch.empty(ws_rows, dtype=torch.float32, device=device)
-    why_not = _tma_unusable(k_cache, v_cache, bn, bd)
-    use_tma = cfg.use_tma
-    if use_tma and why_not:
-        raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
-    tma = why_not is None and use_tma is not False
-    if tma:
-        k_desc = TensorDescriptor.from_tensor(k_cache.view(-1, d), [bn, bd])
-        v_desc = TensorDescriptor.from_tensor(v_cache.view(-1, d), [bn, bd])
-    else:
-        k_desc = v_desc = k_cache
-    grid = (num_tokens // tm + batch, hkv, num_splits)
-    _dense_paged_attn_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens, o_buf, m_buf,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        l_buf, num_tokens, batch,
-        float(softmax_scale) * LOG2E,
-        scales if scales is not None else l_buf,
-        G=group, GP=gp, TM=tm, D=d, BD=bd, BN=bn, PS=page_size,
-        CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SEARCH_STEPS=max(0, batch - 1).bit_length(),
-        PREC="ieee" if q.dtype == torch.float32 else None,
-        FINAL=final, Q_FP8=q_fp8, KV_FP8=kv_fp8, WIDEN_K=kv_fp8 and not q_fp8,
-        PV_DT=tl_dtype(out_dtype), k_desc=k_desc, v_desc=v_desc, HKV=hkv, TMA=tma,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if not final:
-        merge_splits(o_buf, m_buf, l_buf, out, lse, num_splits, group)
-    return out, lse

@@ -68,6 +68,42 @@ def num_sms(device: torch.device, cpu_default: int) -> int:
     return _sm_count(device_index(device))
 
 
+# --------------------------------------------------------------------------- buffers
+class StreamBuffers:
+    """Scratch buffers a launch object reuses from one run to the next (split workspaces,
+    arrival counts), one set per CUDA stream: runs on one stream follow each other, so a set
+    never serves two runs at once. A plan kept for a decode step runs once per layer; a
+    fresh set each time would cost the host an allocation per buffer per run.
+
+    ``make(device)`` builds a set; a buffer a kernel must find zeroed has to be left zeroed
+    by that kernel. At most ``MAX_SETS`` streams are remembered (then the sets are made
+    again)."""
+
+    MAX_SETS = 8
+
+    def __init__(self, make):
+        self._make = make
+        self._sets: dict = {}
+
+    def get(self, device: torch.device):
+        key = _stream_handle(device)
+        found = self._sets.get(key)
+        if found is None:
+            if len(self._sets) >= self.MAX_SETS:
+                self._sets.clear()
+            found = self._sets[key] = self._make(device)
+        return found
+
+
+def _stream_handle(device: torch.device):
+    """(device index, raw handle of its current stream: the stream Triton launches on) on
+    CUDA; the device alone elsewhere (the interpreter runs in order)."""
+    if device.type != "cuda":
+        return device
+    index = device_index(device)
+    return index, _driver_calls()[1](index)
+
+
 # --------------------------------------------------------------------------- launches
 # Triton binds and specializes every argument of every call in Python before it launches
 # (tens of microseconds of host time a call, docs/perf-log/2026-12-04.md), and an eager
@@ -81,15 +117,23 @@ _launch_cache: dict = {}
 _UNSEEN = object()
 
 
+_descriptor_class = None  # Triton's host-side TensorDescriptor, once Triton is imported (_cache_for)
+
+
 def _args_key(args: tuple) -> tuple:
     """What Triton's specialization can depend on, or finer, for every argument: a tensor's
-    dtype and its address modulo 16 (Triton asks whether it is 16-byte aligned); an int,
-    bool, string or None with its type and value (``True == 1``, yet Triton types them
-    apart); a float's type only (it is passed as a 32-bit float whatever its value). One
-    comprehension, no call per argument: a decode launch has about forty arguments."""
-    tensor = torch.Tensor
+    dtype and its address modulo 16 (Triton asks whether it is 16-byte aligned); a host-side
+    tensor descriptor's dtype, block shape and padding (Triton 3.6 types it by dtype and
+    block shape; its base, shape and strides are launch arguments); an int, bool, string or
+    None with its type and value (``True == 1``, yet Triton types them apart); a float's
+    type only (it is passed as a 32-bit float whatever its value). One comprehension, no
+    call per plain argument: a decode launch has about forty arguments."""
+    tensor, descriptor = torch.Tensor, _descriptor_class
     return tuple([
-        (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor) else float if a.__class__ is float else (a.__class__, a)
+        (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor)
+        else float if a.__class__ is float
+        else (descriptor, a.base.dtype, tuple(a.block_shape), a.padding) if a.__class__ is descriptor
+        else (a.__class__, a)
         for a in args
     ])
 
@@ -102,6 +146,12 @@ def _cache_for(fn):
         return cache
     import triton
 
+    global _descriptor_class
+    if _descriptor_class is None:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor as _descriptor_class
+        except ImportError:  # pragma: no cover - a Triton without host-side descriptors
+            pass
     cache = None
     params = getattr(fn, "params", None)
     if (

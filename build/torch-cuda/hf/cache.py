@@ -170,6 +170,19 @@ class M3PagedLayer(CacheLayerMixin):
         """[B + 1] int32: ``cu_seqlens_q`` of the current step (``q_len`` queries per sequence)."""
         return self._state("cu")
 
+    def step_metadata(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables, ``cu_seqlens_q``, kv lengths) of the current step on this layer's
+        device: the batch metadata of the ops it calls, looked up once per step and device
+        (two ops per sparse layer, one per full layer, at every step)."""
+        step = self.cache._step
+        if step is None or not self.is_initialized or torch.compiler.is_compiling():
+            return self.block_tables, self.step_cu_seqlens, self.step_kv_lens
+        device = self.keys.device
+        found = step["metadata"].get(device)
+        if found is None:
+            found = step["metadata"][device] = (self.block_tables, self.step_cu_seqlens, self.step_kv_lens)
+        return found
+
     @property
     def slots(self) -> torch.Tensor | None:
         return self._state("slots")
@@ -641,6 +654,7 @@ class M3PagedCache(Cache):
         layers = len(self.layers)
         self._step = {
             "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {}, "rows": {},
+            "metadata": {},
             "updated": [False] * layers, "indexed": [False] * layers,
             "config": None if config is None else (config, getattr(config, "_attn_implementation", None)),
         }

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ..core.args import IndexArgs
 from ..core.interpreter import dot, to_e4m3
-from ..core.launch import interpreting, launch_kernel, next_pow2
+from ..core.launch import StreamBuffers, interpreting, launch_kernel, next_pow2
 from .plan import DEFAULT_CONFIG, KEY_MAJOR_STAGES, IndexConfig, IndexPlan, metadata
 
 @triton.jit
@@ -418,6 +418,11 @@ class TopkLaunch:
             num_warps=num_warps, num_stages=num_stages, **extra,
         )
         if not p.final:
+            # The splits' top lists (scores, ids), reused from run to run.
+            self.scratch = StreamBuffers(lambda device: (
+                torch.empty(self.ws_size, dtype=torch.float32, device=device),
+                torch.empty(self.ws_size, dtype=torch.int32, device=device),
+            ))
             total_rows = num_tokens * heads
             nc = next_pow2(p.num_splits) * kp
             # Few rows per program: the merge is a chain of dependent reductions, so
@@ -447,8 +452,7 @@ class TopkLaunch:
         if p.final:
             ws_val = ws_id = out
         else:
-            ws_val = torch.empty(self.ws_size, dtype=torch.float32, device=device)
-            ws_id = torch.empty(self.ws_size, dtype=torch.int32, device=device)
+            ws_val, ws_id = self.scratch.get(device)
         bt, cu, kv = self.block_tables, self.cu_seqlens_q, self.used_kv_lens
         scale_t = scale if scale is not None else k  # a placeholder pointer when unused
         launch_kernel(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import next_pow2
+from .launch import launch_kernel, next_pow2
 
 # Partial values (splits x heads x head dim) one merge program holds: 8 splits of 8 heads at
 # D = 128, loaded all at once (64 registers a thread at 4 warps).
@@ -79,7 +79,8 @@ def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> Non
     bd = max(16, next_pow2(d))
     # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
     rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
-    _merge_splits_kernel[(num_tokens, triton.cdiv(hq, rb))](
+    launch_kernel(
+        _merge_splits_kernel, (num_tokens, triton.cdiv(hq, rb)),
         o_ws,
         m_ws,
         l_ws,

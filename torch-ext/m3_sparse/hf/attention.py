@@ -45,10 +45,10 @@ from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 from .mask import create_causal_mask, m3_sparse_mask, step_mask
 
 EPHEMERAL_PAGE_SIZE = 64
-# Eager steps of at most this many new tokens per sequence (decode) run the sparse layers'
-# ops through plans kept on the cache (api.plan_*): checked and set up once per call shape,
-# then run by every sparse layer at every step. A plan keeps its call's tensors, so longer
-# steps (prefill) call the ops directly.
+# Eager steps of at most this many new tokens per sequence (decode) run the attention ops
+# (and the index top-k) through plans kept on the cache (api.plan_*): checked and set up once
+# per call shape, then run by every layer of that kind at every step. A plan keeps its
+# call's tensors, so longer steps (prefill) call the ops directly.
 PLANNED_MAX_QUERIES = 16
 MAX_PLANS = 32
 
@@ -179,12 +179,13 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     codes and their scales, per token or one for the pool, when the cache was built with
     ``index_key_dtype=torch.float8_e4m3fn``).
     """
-    serving_layer = isinstance(past_key_values, serving.ServingLayer)
-    if not (is_active(self.config) or serving_layer):
+    # With an M3PagedCache, attention_forward's layer_for has checked that the model runs m3_sparse.
+    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
+    serving_layer = layer is None and isinstance(past_key_values, serving.ServingLayer)
+    if layer is None and not (serving_layer or is_active(self.config)):
         return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
     batch, q_len, _ = hidden_states.shape
     cos, sin = position_embeddings
-    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
     # An eager step's index keys go straight from the kernel into their pages (fp8 pools
     # and compiled steps: update_index below).
     k_out, k_rows = (
@@ -214,7 +215,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         pool = layer.index_keys if k_out is not None else layer.update_index(idx_k[:, None])
         if every_block_selected(layer, self.topk_blocks, self.block_size):
             return _first_blocks(batch, heads, q_len, self.topk_blocks, layer.slots_used, self.block_size, idx_q.device)
-        tables, kv_lens, cu = layer.block_tables, layer.step_kv_lens, layer.step_cu_seqlens
+        tables, cu, kv_lens = layer.step_metadata()
         if layer.index_scales is not None:
             # Only fp8 caches pass these, so a kernel build that predates them still
             # serves every other cache.
@@ -291,7 +292,8 @@ def m3_sparse_attention(
     if layer is not None:
         if key is not layer.keys or value is not layer.values:
             raise ValueError("m3_sparse: key and value are not the page pools of the cache layer passed with them")
-        k_pool, v_pool, tables, kv_lens, cu = key, value, layer.block_tables, layer.step_kv_lens, layer.step_cu_seqlens
+        k_pool, v_pool = key, value
+        tables, cu, kv_lens = layer.step_metadata()
     else:
         if not causal and attention_mask is not None:
             raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
@@ -328,6 +330,11 @@ def m3_sparse_attention(
             out, _ = plan.run(q, k_pool, v_pool, bi)
         else:
             out, _ = _op("sparse_attention", **sparse)
+    elif _planned(layer, q_len):
+        plan_key = ("dense_paged_attention", tensor_meta(q), tensor_meta(k_pool), tensor_meta(v_pool), scaling, causal,
+                    tuple(fp8.values()))
+        plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged))
+        out, _ = plan.run(q, k_pool, v_pool)
     else:
         out, _ = _op("dense_paged_attention", **paged)
     return out.view(batch, q_len, hq, d), None
