@@ -21,6 +21,7 @@ import m3_sparse  # noqa: E402
 from kernel_test_utils import gen, randn  # noqa: E402
 from m3_sparse.core import launch  # noqa: E402
 from m3_sparse.decode.plan import DecodeConfig  # noqa: E402
+from m3_sparse.dense.plan import DenseConfig  # noqa: E402
 
 
 def test_key_separates_what_triton_specializes():
@@ -163,8 +164,6 @@ def test_launch_hooks_see_every_launch(monkeypatch):
 def _dense_call(seed, splits: int):
     """A dense decode batch (3 sequences, one query each, ragged lengths) on the GPU, as
     (kwargs, config): key tiles as TMA boxes, ``splits`` key splits."""
-    from m3_sparse.dense.plan import DenseConfig
-
     g = gen(seed)
     hq, hkv, d, ps = 8, 2, 64, 32
     pages = 12
@@ -192,13 +191,14 @@ def test_direct_dense_launches_match_triton_launches(monkeypatch, splits):
     call, cfg = _dense_call(2, splits)
     first = m3_sparse.dense_paged_attention(**call, config=cfg)
     again = m3_sparse.dense_paged_attention(**call, config=cfg)
-    for kernel in (attention_triton._dense_paged_attn_kernel, split_merge._merge_splits_kernel)[:1 + (splits > 1)]:
+    kernels = [attention_triton._dense_paged_attn_kernel] + ([split_merge._merge_splits_kernel] if splits > 1 else [])
+    for kernel in kernels:
         if launch._cache_for(kernel) is not None:
             assert launch._launch_cache[kernel], f"{kernel} was not kept for direct launches"
     monkeypatch.setattr(launch, "DIRECT_LAUNCH_TRITON", ())
     monkeypatch.setattr(launch, "_launch_cache", {})
     through_triton = m3_sparse.dense_paged_attention(**call, config=cfg)
-    ref = m3_sparse.dense_paged_attention(**call, config=cfg.__class__(impl="torch"))
+    ref = m3_sparse.dense_paged_attention(**call, config=DenseConfig(impl="torch"))
     for got in (first, again):
         assert torch.equal(got[0], through_triton[0]) and torch.equal(got[1], through_triton[1])
     torch.testing.assert_close(first[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)

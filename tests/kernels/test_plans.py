@@ -10,12 +10,17 @@ with -1 slots and repeated ids.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 import m3_sparse
 from kernel_test_utils import gen, make_batch, randn, random_selection
+from m3_sparse.decode.plan import DecodeConfig
 from m3_sparse.dense.plan import DenseConfig
+from m3_sparse.index.plan import IndexConfig
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 HQ, HKV, D, PAGE, BLOCK, TOPK = 4, 2, 32, 16, 16, 4
@@ -181,3 +186,44 @@ def test_plans_take_metadata_they_can_read_in_place(name, how):
         m3_sparse.plan_index_topk(index_q, cache, tables, topk=TOPK, block_size=BLOCK, **meta)
     with pytest.raises(ValueError, match=f"{name}: a plan reads it in place .*{why}"):
         m3_sparse.plan_dense_paged_attention(q, k, v, tables, **meta)
+
+
+def test_dropped_launches_free_their_scratch_at_once(monkeypatch):
+    """A launch keeps its split workspaces for its next run; an op call makes a launch and
+    drops it, and its workspaces must go with it then, not when the garbage collector runs
+    (a prompt's workspaces, layer after layer, would pile up until it did)."""
+    from m3_sparse.core.validate import attention_args, index_args
+    from m3_sparse.decode.attention_triton import DecodeLaunch
+    from m3_sparse.dense.attention_triton import DenseLaunch
+    from m3_sparse.index import plan as index_plan
+    from m3_sparse.index.topk_triton import TopkLaunch
+
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    g = gen(16)
+    batch = make_batch(g, SEQS["few_tokens"], PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, softmax_scale=None, causal=True, return_lse=False)
+    q, k, v, sel = _attention_call(g, batch, torch.bfloat16)
+    index_q, cache, _ = _index_call(g, batch, fp8=False)
+    topk_args = index_args(index_q, cache, tables, cu_seqlens_q=cu, used_kv_lens=kv_lens, topk=TOPK,
+                           block_size=BLOCK, local_blocks=1, max_seqlen_q=3, index_k_scale=None, fp8_dot=False)
+    topk_cfg = IndexConfig(num_splits=2)
+    launches = {
+        "decode": (lambda: DecodeLaunch(attention_args(q, k, v, tables, selected=sel, block_size=BLOCK, **meta),
+                                        DecodeConfig(num_splits=3)), lambda launch: launch.run(q, k, v, sel)),
+        "dense": (lambda: DenseLaunch(attention_args(q, k, v, tables, sparse=False, **meta),
+                                      DenseConfig(block_n=16, num_splits=2)), lambda launch: launch.run(q, k, v)),
+        "topk": (lambda: TopkLaunch(topk_args, index_plan.plan(topk_args, topk_cfg), topk_cfg),
+                 lambda launch: launch.run(index_q, cache)),
+    }
+    gc.disable()
+    try:
+        for name, (make, run) in launches.items():
+            launch = make()
+            run(launch)
+            kept = launch.scratch.get(q.device) + ((launch.counts.get(q.device),) if hasattr(launch, "counts") else ())
+            buffers = [weakref.ref(t) for t in kept]
+            del launch, kept
+            assert all(ref() is None for ref in buffers), f"{name}: the dropped launch's workspaces are still alive"
+    finally:
+        gc.enable()

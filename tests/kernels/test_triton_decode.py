@@ -223,10 +223,10 @@ def test_a_launch_run_again_reuses_its_scratch(fused_merge):
         _, q, k, v, sel = _setup(seed, DECODE_SEQS, 16, 32, 16, 2, 16, 4, torch.bfloat16)
         out, lse = launch.run(*_to(q, k, v, sel))
         _check(f"run {seed}", _oracle(batch, q, k, v, sel, 32), out.cpu(), lse.cpu(), torch.bfloat16)
-        sets.append(launch.scratch.get(out.device))
+        sets.append(launch.scratch.get(out.device) + ((launch.counts.get(out.device),) if fused_merge else ()))
         if fused_merge:
             assert torch.count_nonzero(sets[-1][3]).item() == 0
-    assert all(s is sets[0] for s in sets)
+    assert all(a is b for s in sets for a, b in zip(s, sets[0]))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -75,9 +75,11 @@ class StreamBuffers:
     never serves two runs at once. A plan kept for a decode step runs once per layer; a
     fresh set each time would cost the host an allocation per buffer per run.
 
-    ``make(device)`` builds a set; a buffer a kernel must find zeroed has to be left zeroed
-    by that kernel. At most ``MAX_SETS`` streams are remembered (then the sets are made
-    again)."""
+    ``make(device)`` builds a set from plain values: a maker that refers to its launch object
+    would make a reference cycle, and the launch an op call drops would keep its buffers
+    until the garbage collector runs. A buffer a kernel must find zeroed has to be left
+    zeroed by that kernel. At most ``MAX_SETS`` streams are remembered (then the sets are
+    made again)."""
 
     MAX_SETS = 8
 

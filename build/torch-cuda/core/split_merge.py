@@ -9,6 +9,7 @@ split does not merge in place) and by the dense kernel's key splits.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -69,6 +70,14 @@ def _merge_splits_kernel(
     if RETURN_LSE:
         b_lse = tl.where(empty, float("-inf"), (b_mx + tl.log2(tl.where(empty, 1.0, b_l))) * 0.6931471805599453)
         tl.store(lse_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
+
+
+def split_workspaces(rows: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialized fp32 workspaces of ``rows`` split rows: o [rows, d], m [rows], l [rows]
+    (each split writes its rows before the merge reads them)."""
+    return (torch.empty(rows, d, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device))
 
 
 def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> None:

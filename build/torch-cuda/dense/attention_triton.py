@@ -38,6 +38,8 @@ kernel's splits, and ``core.split_merge.merge_splits`` merges them by their max.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,7 @@ from ..core.launch import (
     StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, tl_dtype,
 )
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
-from ..core.split_merge import merge_splits
+from ..core.split_merge import merge_splits, split_workspaces
 from ..core.validate import attention_args
 from .plan import DEFAULT_CONFIG, DenseConfig, plan, shape_reason
 
@@ -320,11 +322,7 @@ class DenseLaunch:
         self._descriptors: dict = {}
         if not self.final:  # the splits' raw (o, m, l), reused from run to run
             rows = num_tokens * args.hkv * p.num_splits * args.group
-            self.scratch = StreamBuffers(lambda device: (
-                torch.empty(rows, args.d, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-            ))
+            self.scratch = StreamBuffers(functools.partial(split_workspaces, rows, args.d))
         self.grid = (num_tokens // p.tm + batch, args.hkv, p.num_splits)
         self.ints = (num_tokens, batch)
         self.scale = float(args.softmax_scale) * LOG2E

@@ -40,6 +40,8 @@ CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,7 @@ from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import StreamBuffers, contiguous, launch_kernel, next_pow2, tl_dtype
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
-from ..core.split_merge import merge_splits
+from ..core.split_merge import merge_splits, split_workspaces
 from ..core.validate import attention_args, value_checks_enabled
 from .plan import DEFAULT_CONFIG, DecodeConfig, plan, shape_reason
 
@@ -322,18 +324,10 @@ class DecodeLaunch:
             num_warps=p.num_warps, num_stages=p.num_stages,
         )
         if not p.final:
-            self.scratch = StreamBuffers(self._make_scratch)
-
-    def _make_scratch(self, device) -> tuple:
-        """(o, m, l) split workspaces, and the arrival counts of the in-place merge (zeros,
-        which every launch leaves zero) or None."""
-        rows = self.ws_rows
-        counts = None
-        if self.plan.merge:
-            counts = torch.zeros(self.args.num_tokens * self.args.hkv, dtype=torch.int32, device=device)
-        return (torch.empty(rows, self.args.d, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device),
-                torch.empty(rows, dtype=torch.float32, device=device), counts)
+            # Made from plain values: a launch an op call drops frees them at once (StreamBuffers).
+            self.scratch = StreamBuffers(functools.partial(split_workspaces, self.ws_rows, args.d))
+            if p.merge:  # zeros, which every launch leaves zero
+                self.counts = StreamBuffers(functools.partial(_zero_counts, num_tokens * args.hkv))
 
     def run(self, q, k_cache, v_cache, selected, arrival_counts=None):
         """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
@@ -345,12 +339,13 @@ class DecodeLaunch:
         p, device = self.plan, q.device
         if arrival_counts is not None:
             arrival_counts = _check_counts(arrival_counts, args.num_tokens * args.hkv, device)
+        counts = None
         if p.final:
-            o_buf, m_buf, l_buf, counts = out, (lse if lse is not None else out), out, None
+            o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out
         else:
-            o_buf, m_buf, l_buf, counts = self.scratch.get(device)
-            if counts is not None and arrival_counts is not None:
-                counts = arrival_counts
+            o_buf, m_buf, l_buf = self.scratch.get(device)
+            if p.merge:
+                counts = arrival_counts if arrival_counts is not None else self.counts.get(device)
         block_tables = self.block_tables
         launch_kernel(
             _decode_split_kernel, self.grid,
@@ -371,6 +366,10 @@ class DecodeLaunch:
         if not p.final and not p.merge:
             merge_splits(o_buf, m_buf, l_buf, out, lse, p.num_splits, args.group)
         return out, lse
+
+
+def _zero_counts(n: int, device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _check_counts(counts, needed: int, device) -> torch.Tensor:

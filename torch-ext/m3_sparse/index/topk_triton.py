@@ -46,6 +46,8 @@ from shared memory as they arrived, where a 16-row M would not qualify for it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -384,6 +386,12 @@ def _merge_kernel(
     _write_selection(out_ptr, grow, row_ok, nf, last, kept, n_kept, TOPK, TOPK_P2, KP)
 
 
+def _split_lists(size: int, device) -> tuple:
+    """The splits' top lists, (scores, ids) of ``size`` entries: made from plain values, so
+    a launch dropped after an op call frees them at once (no reference cycle)."""
+    return (torch.empty(size, dtype=torch.float32, device=device), torch.empty(size, dtype=torch.int32, device=device))
+
+
 class TopkLaunch:
     """The tl kernel's launch (and the split merge's) for one planned call, set up once: the
     metadata as the kernels read it and their constants. :meth:`run` launches it for index
@@ -419,10 +427,7 @@ class TopkLaunch:
         )
         if not p.final:
             # The splits' top lists (scores, ids), reused from run to run.
-            self.scratch = StreamBuffers(lambda device: (
-                torch.empty(self.ws_size, dtype=torch.float32, device=device),
-                torch.empty(self.ws_size, dtype=torch.int32, device=device),
-            ))
+            self.scratch = StreamBuffers(functools.partial(_split_lists, self.ws_size))
             total_rows = num_tokens * heads
             nc = next_pow2(p.num_splits) * kp
             # Few rows per program: the merge is a chain of dependent reductions, so
