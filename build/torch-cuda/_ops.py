@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_f61b053303"
+NAMESPACE = "_m3_sparse_cuda_777cf703bb"
 
 ops = getattr(torch.ops, NAMESPACE)
 

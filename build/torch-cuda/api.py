@@ -256,9 +256,28 @@ def _shown(meta: tuple | None) -> str:
     return "None" if meta is None else f"shape {tuple(meta[0])}, strides {meta[1]}, {meta[2]} on {meta[3]}"
 
 
-class PlannedIndexTopk:
+class _Plan:
+    """An op's checked call (``args``), its kernel chosen and its launch set up. A subclass's
+    ``run`` takes tensors in the place of the call's ``RUN_TENSORS``, checks them against the
+    planned ones (``_check_like``) and hands them to its ``_call``."""
+
+    RUN_TENSORS: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def _metas(self) -> tuple:
+        # Made on the first run: an op call, which builds a plan for one call, never needs them.
+        return tuple((name, tensor_meta(getattr(self.args, name))) for name in self.RUN_TENSORS)
+
+    def planned_call(self):
+        """The result of the call the plan was made from."""
+        return self._call(*(getattr(self.args, name) for name in self.RUN_TENSORS))
+
+
+class PlannedIndexTopk(_Plan):
     """:func:`index_topk` on a checked call, its kernel chosen and its launch set up
     (:func:`plan_index_topk`)."""
+
+    RUN_TENSORS = ("index_q", "index_k_cache", "index_k_scale")
 
     def __init__(self, args: IndexArgs, cfg: IndexConfig):
         self.args = args
@@ -274,25 +293,17 @@ class PlannedIndexTopk:
             else:
                 self._launch = topk_triton.TopkLaunch(args, plan, cfg)
 
-    @functools.cached_property
-    def _metas(self) -> tuple:
-        names = ("index_q", "index_k_cache", "index_k_scale")
-        return tuple((name, tensor_meta(getattr(self.args, name))) for name in names)
-
     def run(self, index_q: torch.Tensor, index_k_cache: torch.Tensor, index_k_scale=None) -> torch.Tensor:
         """``selected`` [Tq, Hi, topk] for these tensors (like the planned call's)."""
         _check_like(self._metas, (index_q, index_k_cache, index_k_scale))
+        return self._call(index_q, index_k_cache, index_k_scale)
+
+    def _call(self, index_q, index_k_cache, index_k_scale) -> torch.Tensor:
         if self._launch is not None:
             return self._launch.run(index_q, index_k_cache, index_k_scale)
-        return self._run(
-            dataclasses.replace(self.args, index_q=index_q, index_k_cache=index_k_cache, index_k_scale=index_k_scale)
-        )
-
-    def planned_call(self) -> torch.Tensor:
-        """The result of the call the plan was made from."""
         args = self.args
-        if self._launch is not None:
-            return self._launch.run(args.index_q, args.index_k_cache, args.index_k_scale)
+        if index_q is not args.index_q or index_k_cache is not args.index_k_cache:
+            args = dataclasses.replace(args, index_q=index_q, index_k_cache=index_k_cache, index_k_scale=index_k_scale)
         return self._run(args)
 
 
@@ -472,22 +483,23 @@ def plan_sparse_attention(args: AttnArgs) -> PlannedAttention:
     return PlannedAttention(args)
 
 
-class PlannedAttention:
+class PlannedAttention(_Plan):
     """:func:`sparse_attention` on a checked call, the decode kernel's launch set up where it
     runs the call (:func:`plan_sparse_attention`)."""
+
+    RUN_TENSORS = ("q", "k_cache", "v_cache", "selected")
 
     def __init__(self, args: AttnArgs):
         self.args = args
         # The decode kernel's launch where _sparse runs it, else the call goes to _sparse.
         self._launch = _decode_launch(args, DECODE_DEFAULTS) if dispatch.runs_decode(args) else None
 
-    @functools.cached_property
-    def _metas(self) -> tuple:
-        return tuple((name, tensor_meta(getattr(self.args, name))) for name in ("q", "k_cache", "v_cache", "selected"))
-
     def run(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
         _check_like(self._metas, (q, k_cache, v_cache, selected))
+        return self._call(q, k_cache, v_cache, selected)
+
+    def _call(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._launch is not None:
             return self._launch.run(q, k_cache, v_cache, selected)
         return _sparse(self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected))
@@ -521,42 +533,35 @@ def plan_dense_paged_attention(args: AttnArgs, *, config: DenseConfig | None = N
     return PlannedDenseAttention(args, config or DENSE_DEFAULTS)
 
 
-class PlannedDenseAttention:
+class PlannedDenseAttention(_Plan):
     """:func:`dense_paged_attention` on a checked call, its kernel chosen and, for the Triton
     kernel, its launch set up (:func:`plan_dense_paged_attention`)."""
+
+    RUN_TENSORS = ("q", "k_cache", "v_cache")
 
     def __init__(self, args: AttnArgs, cfg: DenseConfig):
         self.args = args
         self.kernel = dispatch.dense_kernel(args, cfg)
+        if _log.isEnabledFor(logging.DEBUG):  # each op call plans its call
+            _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
+                       self.kernel, args.num_tokens, args.batch, args.page_size)
         self._launch = None  # the Triton kernel's launch, set up once
         if self.kernel == "triton":
             from .dense import attention_triton as dense_triton
 
             self._launch = dense_triton.DenseLaunch(args, cfg)
 
-    @functools.cached_property
-    def _metas(self) -> tuple:
-        return tuple((name, tensor_meta(getattr(self.args, name))) for name in ("q", "k_cache", "v_cache"))
-
     def run(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
         _check_like(self._metas, (q, k_cache, v_cache))
+        return self._call(q, k_cache, v_cache)
+
+    def _call(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._launch is not None:
             return self._launch.run(q, k_cache, v_cache)
-        return self._other(self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache))
-
-    def planned_call(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The result of the call the plan was made from."""
         args = self.args
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("dense_paged_attention: %s kernel, %d query rows, %d sequences, page %d",
-                       self.kernel, args.num_tokens, args.batch, args.page_size)
-        if self._launch is not None:
-            return self._launch.run(args.q, args.k_cache, args.v_cache)
-        return self._other(args)
-
-    def _other(self, args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """flash-attn-4 or torch, whichever the plan chose."""
+        if q is not args.q or k_cache is not args.k_cache or v_cache is not args.v_cache:
+            args = args.replace(q=q, k_cache=k_cache, v_cache=v_cache)
         if self.kernel == "fa4":
             from .dense import attention_fa4 as dense_fa4
 

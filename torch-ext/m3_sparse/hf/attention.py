@@ -154,6 +154,13 @@ def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make):
     return plan
 
 
+def _run_plan(layer: M3PagedLayer, op: str, tensors: tuple, options: tuple, metadata: tuple, make):
+    """``plan.run(*tensors)`` of the plan of ``op`` for tensors like these (their shapes,
+    strides, dtypes and devices) and these ``options``, kept on the layer's cache (:func:`_plan`)."""
+    key = (op, *map(tensor_meta, tensors), *options)
+    return _plan(layer, key, metadata, make).run(*tensors)
+
+
 def _planned(layer: M3PagedLayer | None, q_len: int) -> bool:
     """Whether this call runs through a plan: an eager decode step over a paged cache."""
     return layer is not None and q_len <= PLANNED_MAX_QUERIES and not torch.compiler.is_compiling() and not _capturing()
@@ -242,11 +249,11 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         **fp8_args,
     )
     if _planned(layer, q_len):
-        index_q, scale = topk_args["index_q"], fp8_args.get("index_k_scale")
-        plan_key = ("index_topk", tensor_meta(index_q), tensor_meta(pool), tensor_meta(scale), self.topk_blocks,
-                    self.block_size, self.local_blocks, q_len, bool(fp8_args.get("fp8_dot")))
-        plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_index_topk(**topk_args))
-        selected = plan.run(index_q, pool, scale)
+        selected = _run_plan(
+            layer, "index_topk", (topk_args["index_q"], pool, fp8_args.get("index_k_scale")),
+            (self.topk_blocks, self.block_size, self.local_blocks, q_len, bool(fp8_args.get("fp8_dot"))),
+            (tables, cu, kv_lens), lambda: api.plan_index_topk(**topk_args),
+        )
     else:
         selected = _op("index_topk", **topk_args)
     return selected.view(batch, q_len, heads, self.topk_blocks).permute(0, 2, 1, 3)
@@ -324,17 +331,18 @@ def m3_sparse_attention(
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
         sparse = dict(paged, selected=bi, max_seqlen_q=q_len, block_size=block_size, **partials)
         if _planned(layer, q_len):
-            plan_key = ("sparse_attention", tensor_meta(q), tensor_meta(k_pool), tensor_meta(v_pool), tensor_meta(bi),
-                        scaling, causal, block_size, partial_dtype, tuple(fp8.values()))
-            plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_sparse_attention(**sparse))
-            out, _ = plan.run(q, k_pool, v_pool, bi)
+            out, _ = _run_plan(
+                layer, "sparse_attention", (q, k_pool, v_pool, bi),
+                (scaling, causal, block_size, partial_dtype, tuple(fp8.values())),
+                (tables, cu, kv_lens), lambda: api.plan_sparse_attention(**sparse),
+            )
         else:
             out, _ = _op("sparse_attention", **sparse)
     elif _planned(layer, q_len):
-        plan_key = ("dense_paged_attention", tensor_meta(q), tensor_meta(k_pool), tensor_meta(v_pool), scaling, causal,
-                    tuple(fp8.values()))
-        plan = _plan(layer, plan_key, (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged))
-        out, _ = plan.run(q, k_pool, v_pool)
+        out, _ = _run_plan(
+            layer, "dense_paged_attention", (q, k_pool, v_pool), (scaling, causal, tuple(fp8.values())),
+            (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged),
+        )
     else:
         out, _ = _op("dense_paged_attention", **paged)
     return out.view(batch, q_len, hq, d), None
