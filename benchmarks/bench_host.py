@@ -21,10 +21,10 @@ host's speed drifts between repetitions more than within one). Rows go to
 ``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
 sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``, the
 runs of the ``index_topk`` and ``sparse_attention`` plans, the attention function), the run of
-the first full layer's ``dense_paged_attention`` plan, and the dense twin's attention function, each recorded with its arguments and repeated alone
-(``index_prep`` writes the step's index keys into their pages again, the same values; the
-others write nothing); host microseconds a call, the median of ``--reps`` rounds of
-``PIECE_CALLS`` calls.
+the first full layer's ``dense_paged_attention`` plan, and the dense twin's attention
+function, each recorded with its arguments and repeated alone (``index_prep`` writes the
+step's index keys into their pages again, the same values; the others write nothing); host
+microseconds a call, the median of ``--reps`` rounds of ``PIECE_CALLS`` calls.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def layer_clock(totals: dict):
 
 @contextmanager
 def planned(on: bool):
-    """The integration's plans of the sparse layers' ops on (its default) or off."""
+    """The integration's plans of the layers' ops on (its default) or off."""
     attention = kernel_module("hf.attention")
     bound = attention.PLANNED_MAX_QUERIES
     if not on:
