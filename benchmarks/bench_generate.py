@@ -26,6 +26,10 @@ Configurations (``--configs``):
   compileable, else runs it eagerly. On CUDA every op runs a Triton kernel; on the CPU the
   same dispatch runs the torch reference code.
 * ``m3_sparse-eager``: the same with ``disable_compile=True``.
+* ``m3_sparse-checked`` (not in the default list): the ``m3_sparse`` row with generate()'s
+  stop flag read on the host every step, as transformers does on CUDA for other caches (the
+  package has generate() read it one step late for the paged cache: transformers'
+  ``DeferredStopCheck``); the step that change saves.
 * ``sdpa`` (not in the default list): transformers' own M3 path on the same model
   (``attn_implementation="sdpa"``, its dynamic cache, which generate() never compiles); it
   expands the block selection into a dense ``[batch, Hq, queries, keys]`` mask.
@@ -49,10 +53,11 @@ cache allocation included); the synced decode step (``decode_ms_synced`` in the 
 of the intervals between tokens over the steps before the profiled ones (a median, so that a
 one-off first step, such as a graph re-recorded for a new cache, does not count). The
 streamer's synchronization keeps the host's work for a step from overlapping the GPU's, so
-two more calls run without a streamer, as a user runs generate(), one of ``--new-tokens``
-tokens and one of 2: the decode step in the table is their difference over
-``--new-tokens - 2`` steps, the steady step (prefill and first step cancel; every call's cache
-has room for ``--new-tokens``, so both run the same shapes); decode tokens/s counts every row
+pairs of calls run without a streamer, as a user runs generate(), one of ``--new-tokens``
+tokens and one of 2: the decode step in the table is the median over ``--step-pairs`` pairs
+(default 3) of their difference over ``--new-tokens - 2`` steps, the steady step (prefill and
+first step cancel; every call's cache has room for ``--new-tokens``, so both run the same
+shapes; each pair's figure is in the JSON, ``decode_ms_pairs``); decode tokens/s counts every row
 of the batch; "step / GPU" is that step over the profile's GPU ms (1.0: the step takes its
 kernels' time, the host keeps up). Medians over the repetitions. Peak memory:
 ``torch.cuda.max_memory_allocated`` during the measured calls, the weights of both models
@@ -78,11 +83,12 @@ tokens) that runs out of memory on an H200 for either model, and ``--prefill-chu
 every call prefill in chunks of N tokens instead (generate()'s ``prefill_chunk_size``).
 
 Cost on an H200 (estimated from earlier runs, not yet measured as a whole): the decode steps
-cost little (``--new-tokens`` 20 keeps them to seconds per cell); prefills dominate, two per
-compiled row and one per eager row after its twin, and so does torch.compile, about 10-40 s
-per compiled row. The default sweep (two models, six sizes, four configurations) should take
-20-30 minutes, 8 of them the 12-layer model at 512K (one prefill of its dense twin there is
-about 110 s); the other cells take seconds plus their compilation. ``--time-limit-s`` stops
+cost little (``--new-tokens`` 20 keeps them to seconds per cell); prefills dominate, 2 + 2 x
+``--step-pairs`` per compiled row (one fewer for an eager row after its twin), and so does
+torch.compile, about 10-40 s per compiled row. The default sweep (two models, six sizes, four
+configurations) should take 40-60 minutes, half of it the 12-layer model at 512K (one prefill
+of its dense twin there is about 110 s: run that size with ``--step-pairs 1``, its steps are
+long enough for one pair); the other cells take seconds plus their compilation. ``--time-limit-s`` stops
 starting cells after a budget; split the sweep over runs with ``--layers`` / ``--sizes`` /
 ``--configs``, and give a run without dense rows an earlier run's JSON as ``--baseline``.
 
@@ -121,6 +127,7 @@ import torch  # noqa: E402
 import m3_hf_attention  # noqa: E402,F401  (registers attn_implementation="m3_sparse")
 import transformers  # noqa: E402
 from transformers import LogitsProcessorList, StaticCache  # noqa: E402
+from transformers.generation import utils as generation  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig  # noqa: E402
 
@@ -140,6 +147,7 @@ class Config:
     attn: str  # attn_implementation
     eager: bool  # generate(disable_compile=True)
     what: str
+    checked_stop: bool = False  # transformers' stop check every step (not deferred)
 
 
 CONFIGS = {c.name: c for c in (
@@ -151,6 +159,9 @@ CONFIGS = {c.name: c for c in (
            "m3_sparse, generate()'s default M3PagedCache and dispatch (M3_SPARSE_IMPL=auto; on CUDA every op on "
            "Triton), no disable_compile: compiled when the cache is compileable"),
     Config("m3_sparse-eager", "sparse", "m3_sparse", True, "the m3_sparse row with disable_compile=True"),
+    Config("m3_sparse-checked", "sparse", "m3_sparse", False,
+           "the m3_sparse row with generate()'s stop flag read on the host every step (transformers' choice on "
+           "CUDA; the package defers it for the paged cache)", checked_stop=True),
     Config("sdpa", "sparse", "sdpa", False,
            "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache"),
 )}
@@ -255,6 +266,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=None,
                    help="decode steps profiled at the end of the last measured call (default 4; --quick 2; 0: none)")
     p.add_argument("--reps", type=int, default=1, help="measured generate() calls per cell (median; default 1)")
+    p.add_argument("--step-pairs", type=int, default=3,
+                   help="pairs of free-running calls (--new-tokens and 2 tokens) whose median difference is the "
+                   "decode step (default 3)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default 2048; --quick 64)")
     p.add_argument("--mlp", type=int, default=None, help="dense MLP intermediate size (default 1024; --quick 64)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 1024; --quick 128)")
@@ -292,6 +306,8 @@ def parse_args(argv=None):
                 f"timed decode steps, the step the profiler starts in, the profiled steps), got {args.new_tokens}")
     if args.reps < 1:
         p.error(f"--reps: expected >= 1, got {args.reps}")
+    if args.step_pairs < 1:
+        p.error(f"--step-pairs: expected >= 1, got {args.step_pairs}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         p.error(f"--prefill-chunk: expected >= 1, got {args.prefill_chunk}")
     if args.vocab < 8:
@@ -481,7 +497,10 @@ def measure(model, config: Config, shape: Shape, args, warm: bool, trace: Path |
         return time.perf_counter() - t
 
     bar_step("free-running")
-    free_step = (free_call(args.new_tokens) - free_call(2)) / (args.new_tokens - 2)
+    # One pair's difference carries the jitter of two prefills over a few tens of steps (at
+    # 8K, 0.3-0.5 ms a step on an H200 host): the median of --step-pairs pairs.
+    pairs = [(free_call(args.new_tokens) - free_call(2)) / (args.new_tokens - 2) for _ in range(args.step_pairs)]
+    free_step = statistics.median(pairs)
 
     def median(key):
         return statistics.median(c[key] for c in calls)
@@ -498,6 +517,7 @@ def measure(model, config: Config, shape: Shape, args, warm: bool, trace: Path |
         "ttft_ms": median("ttft") * 1e3,
         "ttft_ms_all": [c["ttft"] * 1e3 for c in calls],
         "decode_ms_per_step": free_step * 1e3,
+        "decode_ms_pairs": [p * 1e3 for p in pairs],
         "decode_ms_synced": median("step") * 1e3,
         "decode_ms_mean": median("mean") * 1e3,
         "first_decode_step_ms": median("first") * 1e3,
@@ -644,6 +664,24 @@ class Cell:
         return self.layers, self.batch, self.context
 
 
+@contextlib.contextmanager
+def checked_stop():
+    """generate() reads its stop flag on the host every step, with any cache: the stop check
+    in place before this package switched it on for M3PagedCache."""
+    deferred = generation.DeferredStopCheck
+    generation.DeferredStopCheck = deferred.m3_sparse_base
+    try:
+        yield
+    finally:
+        generation.DeferredStopCheck = deferred
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
 def attempt(model, config: Config, shape: Shape, args, ctx, warm: bool, trace, bar_step):
     """(result, None) or (None, (status, message)); the memory of a failed call is freed."""
     free_memory(args.device)
@@ -675,6 +713,8 @@ def run_cell(config: Config, shape: Shape, pattern: str, models: dict, args, war
         model.set_attn_implementation(config.attn)
     ctx = dense_backends(args.device) if config.model == "dense" else (
         env_var("M3_SPARSE_IMPL", "auto") if config.attn == "m3_sparse" else contextlib.nullcontext())
+    if config.checked_stop:
+        ctx = _both(ctx, checked_stop())
     trace = args.out / "traces" / f"{pattern}_{config.name}_{shape.label}.json" if args.keep_traces else None
     try:
         result, failure = attempt(model, config, shape, args, ctx, warm, trace, bar_step)

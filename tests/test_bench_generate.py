@@ -7,6 +7,7 @@ run produces every configuration's rows. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -153,10 +154,23 @@ def test_arguments_are_checked(bg):
     args = bg.parse_args(["--sizes", "8k,16x8k", "--layers", "sfs,ssf"])
     assert [(s.batch, s.context) for s in args.sizes] == [(1, 8192), (16, 8192)]
     assert args.patterns == ["sfs", "ssf"]
-    for bad in (["--new-tokens", "7"], ["--configs", "dense,foo"], ["--layers", "sxs"], ["--profile-steps", "-1"]):
+    assert args.step_pairs == 3
+    for bad in (["--new-tokens", "7"], ["--configs", "dense,foo"], ["--layers", "sxs"], ["--profile-steps", "-1"],
+                ["--step-pairs", "0"]):
         with pytest.raises(SystemExit):
             bg.parse_args(bad)
     assert bg.parse_args(["--new-tokens", "3", "--profile-steps", "0"]).new_tokens == 3
+
+
+def test_checked_stop_puts_transformers_stop_check_back_for_the_cell(bg):
+    from transformers.generation import utils as generation
+
+    deferred = generation.DeferredStopCheck
+    assert bg.CONFIGS["m3_sparse-checked"].checked_stop and not bg.CONFIGS["m3_sparse"].checked_stop
+    with bg.checked_stop():
+        assert generation.DeferredStopCheck is deferred.m3_sparse_base
+        assert not generation.DeferredStopCheck.is_supported(torch.device("cuda"), None, True, is_assistant=False)
+    assert generation.DeferredStopCheck is deferred
 
 
 def test_speedups_take_an_earlier_run_as_baseline(bg, tmp_path):
@@ -199,6 +213,10 @@ def test_quick_cpu_run(tmp_path):
         assert ttft["ms"] > 0 and rows["decode"]["ms"] > 0 and decode["host_ms"] > 0
         assert decode["details"]["profile"]["steps"] == 2
         assert decode["gpu_ms"] is None and decode["launches"] is None
+        pairs = decode["details"]["decode_ms_pairs"]
+        # The median pair, or the synced step where noise made the median <= 0.
+        assert len(pairs) == 3 and rows["decode"]["ms"] == pytest.approx(
+            statistics.median(pairs) if statistics.median(pairs) > 0 else decode["decode_ms_synced"])
     assert cells["dense"]["decode"]["metrics"]["speedup"] == 1.0
     assert cells["m3_sparse"]["ttft"]["baseline_ms"] == cells["dense"]["ttft"]["ms"]
     # The eager rows follow their twins at the same size: no warm-up call of their own.

@@ -156,6 +156,64 @@ def test_generate_chunked_prefill_with_the_one_pass_tokens(model):
     assert torch.equal(run(prefill_chunk_size=16), run())
 
 
+def _early_eos(new: torch.Tensor, stop_all: bool) -> tuple[list[int], int] | None:
+    """EOS ids that end row 0 at its 5th new token (and, with ``stop_all``, every other row on
+    a token of its own), and the width of the sequences generate() then returns; None when
+    these tokens do not make that plan (a row that never stops, or with ``stop_all`` one
+    that does not stop before the last step)."""
+    ids = [int(new[0, 4])]
+    if stop_all:
+        ids += [int(new[row, 6 + row]) for row in range(1, new.shape[0])]
+    ends = []
+    for row in new.tolist():
+        hits = [i for i, t in enumerate(row) if t in ids]
+        ends.append(hits[0] + 1 if hits else None)
+    if ends[0] != 5 or (None in ends) != (not stop_all) or (stop_all and max(ends) >= new.shape[1]):
+        return None
+    return ids, new.shape[1] if None in ends else max(ends)
+
+
+@pytest.mark.parametrize("stop_all", [False, True], ids=["row0_stops", "all_stop"])
+@torch.no_grad()
+def test_compiled_generate_defers_its_stop_check(model, monkeypatch, stop_all):
+    """generate()'s compiled decode on CUDA reads the stop flag one step late (transformers'
+    DeferredStopCheck, on for the paged cache): the sequences and the cache's lengths of the
+    loop that checks every step, with rows that stop early, the step run past the stop
+    undone (M3PagedCache.crop)."""
+    from transformers.generation import utils as generation
+
+    steps = 20
+
+    def run(eos):
+        cache = M3PagedCache(model.config, BATCH, PROMPT + steps, page_size=PAGE, device="cuda")
+        out = model.generate(input_ids=prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                             do_sample=False, pad_token_id=PAD, eos_token_id=eos, suppress_tokens=[PAD])
+        return out, cache.sequence_lengths().tolist(), cache.slots_used
+
+    for seed in range(8, 40):  # prompts until one whose tokens make the plan
+        prompt, mask = _left_padded_prompt(seed)
+        plan = _early_eos(run(None)[0][:, PROMPT:], stop_all)
+        if plan is not None:
+            break
+    assert plan is not None, "no prompt made the planned early stops"
+    eos, width = plan
+    made = []
+    real_init = generation.StopCheck.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(generation.StopCheck, "__init__", spy)
+    deferred = run(eos)
+    monkeypatch.setattr(generation, "DeferredStopCheck", generation.DeferredStopCheck.m3_sparse_base)
+    checked = run(eos)
+    assert made == ["DeferredStopCheck", "StopCheck"]
+    assert torch.equal(deferred[0], checked[0]) and deferred[1:] == checked[1:]
+    assert checked[0].shape[1] == PROMPT + width
+    assert (checked[0][0, PROMPT + 5:] == PAD).all()  # row 0 stopped at its EOS
+
+
 @torch.no_grad()
 def test_compiled_decode_step_does_not_synchronize(model):
     prompt, mask = _left_padded_prompt(6)

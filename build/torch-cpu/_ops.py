@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_777cf703bb"
+NAMESPACE = "_m3_sparse_cpu_232e860e7c"
 
 ops = getattr(torch.ops, NAMESPACE)
 

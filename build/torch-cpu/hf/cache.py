@@ -399,7 +399,9 @@ class M3PagedLayer(CacheLayerMixin):
                 self.index_scales.zero_()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("M3PagedCache does not support crop(); build a new cache or call reset()")
+        raise NotImplementedError(
+            "M3PagedLayer: the lengths are the cache's; crop the whole cache (M3PagedCache.crop) instead"
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("M3PagedCache does not support beam search reordering")
@@ -830,6 +832,42 @@ class M3PagedCache(Cache):
                 t.zero_()
         self._step = None
         self._host_slots = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        """:meth:`crop` puts the lengths back as they were, so generate() may run one step
+        past a stop and undo it (its deferred stop check on CUDA, ``hf/attention.py``)."""
+        return True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every sequence, as if the steps that
+        fed them had not run (transformers' convention: a negative count; 0 does nothing; a
+        positive value is the older form, the number of token slots to keep). Only the
+        lengths change, on the device and in place (a CUDA graph's buffers stay where they
+        are); what the removed tokens wrote stays in the pages past the new lengths, where
+        nothing reads it and the next tokens overwrite it. A sequence with fewer tokens than
+        removed is left empty. Raises ``ValueError``, changing nothing, for a count of more
+        tokens than the cache was fed."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(f"crop: expected an int (minus the tokens to remove), got {tokens_to_remove!r}")
+        if tokens_to_remove == 0 or self._lengths is None:
+            return
+        held = self.slots_used  # after compiled steps: one read of the device count
+        remove = held - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if remove <= 0:
+            return  # the older form asked to keep at least what the cache holds
+        if remove > held:
+            raise ValueError(
+                f"crop({tokens_to_remove}): the cache was fed {held} token slots per sequence; it cannot remove {remove}"
+            )
+        n = self._lengths
+        kept = (n["seq_lens"] + n["pending"] - remove).clamp_(min=0)
+        n["seq_lens"].copy_(kept)  # committed: no step is open after a crop
+        n["step_kv_lens"].copy_(kept)
+        n["pending"].zero_()
+        n["slots"].sub_(remove)
+        self._host_slots = held - remove
+        self._step = None
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self._max_cache_len

@@ -30,6 +30,7 @@ value that changes from step to step.
 from __future__ import annotations
 
 import torch
+from transformers.generation import utils as generation
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, create_masks_for_generate
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
@@ -457,6 +458,30 @@ def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, past
     )
 
 
+def _deferred_stop_check(base):
+    """transformers' ``DeferredStopCheck``, used on CUDA with an :class:`M3PagedCache` too.
+
+    generate()'s sampling loop reads on the host, every step, whether all rows have
+    finished: the host waits for the step's kernels before it prepares the next step, so a
+    batch-1 step costs its GPU time plus most of the loop's host time. transformers 5.17 can
+    read that flag one step late instead (``DeferredStopCheck``: the next step is queued
+    while the last one runs, and the one step run past a stop is undone with the cache's
+    ``crop``), but turns it on for MPS only. The paged cache undoes a step exactly
+    (:meth:`M3PagedCache.crop`), so generate() defers the check for it on CUDA (docs/PERF.md,
+    "generate() end to end"); every other cache keeps transformers' choice. ``base`` is the
+    class in place (a second kernel build loaded side by side extends the first one's)."""
+
+    class DeferredStopCheck(base):
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant):
+            if isinstance(cache, M3PagedCache) and device.type == "cuda" and not is_assistant:
+                return True
+            return base.is_supported(device, cache, cache_is_returned, is_assistant=is_assistant)
+
+    DeferredStopCheck.m3_sparse_base = base
+    return DeferredStopCheck
+
+
 _REGISTERED = False
 
 
@@ -475,6 +500,7 @@ def register() -> None:
         cls._prepare_cache_for_generation = _prepare_cache_for_generation(cls._prepare_cache_for_generation)
         cls._prefill = _prefill(cls._prefill)
         cls.create_masks_for_generate = _create_masks_for_generate
+    generation.DeferredStopCheck = _deferred_stop_check(generation.DeferredStopCheck)
     tp.register()
     serving.register()
     _REGISTERED = True
