@@ -3,8 +3,10 @@
 tests that claim to check that code fail.
 
 A mutation replaces a literal text in one file of ``torch-ext/m3_sparse/`` inside a temporary
-copy of the repository (``torch-ext/``, ``tests/``, ``pyproject.toml``; the working tree is never
-written) and runs the kernel tests it names there. Each named test (a node id; a test
+copy of the repository (``torch-ext/``, ``tests/``, ``pyproject.toml``, ``build.toml``; the
+working tree is never written), builds the copy's ``build/`` (``scripts/build_kernel.py``, which
+the package loads through ``M3_SPARSE_KERNEL``: the model tests run the mutated kernel too) and
+runs the tests it names there. Each named test (a node id; a test
 function names all its parameter sets) must fail under the mutation, and pass on the
 unmutated copy, which runs first. The first named test is a quick one: ``--short`` runs
 only that one per mutation (the others are the existing tests that catch it too). A mutation whose text no longer occurs exactly as often as
@@ -36,9 +38,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_kernel  # noqa: E402  (scripts/build_kernel.py, beside this script; also when loaded from a path)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path("torch-ext") / "m3_sparse"
-COPIED = ("torch-ext", "tests", "pyproject.toml")
+COPIED = ("torch-ext", "tests", "pyproject.toml", "build.toml")
 TIMEOUT_S = 1800
 
 K = "tests/kernels/"
@@ -188,6 +193,19 @@ MUTATIONS = (
         tests=(K + "test_triton_decode.py::test_a_launch_run_again_reuses_its_scratch",),
         what="the merging split leaves its arrival count set, which a kept count buffer carries to the next run",
     ),  # fmt: skip
+    Mutation(
+        name="crop_keeps_the_pending_step", path="hf/cache.py",
+        old='        n["pending"].zero_()\n', new="",
+        tests=("tests/test_deferred_stop.py::test_crop_puts_the_lengths_back",
+               "tests/test_deferred_stop.py::test_the_deferred_loop_gives_the_checked_loop_result"),
+        what="crop leaves the last step's tokens pending, so the next step commits them again",
+    ),  # fmt: skip
+    Mutation(
+        name="prefill_token_deferred", path="hf/attention.py",
+        old="            self.deferring = not self.paged\n", new="            self.deferring = True\n",
+        tests=("tests/test_deferred_stop.py::test_the_deferred_loop_gives_the_checked_loop_result",),
+        what="the prefill's token waits for the first decode step (a CUDA graph's recording) to be streamed",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter
@@ -216,6 +234,7 @@ def copy_tree(dest: Path) -> Path:
             shutil.copytree(src, dest / name, ignore=ignore)
         else:
             shutil.copy2(src, dest / name)
+    build_kernel.write(dest)
     return dest
 
 
@@ -235,10 +254,12 @@ def applied(tree: Path, m: Mutation):
     path = tree / PACKAGE / m.path
     original = path.read_text()
     path.write_text(mutated_text(m, original))
+    build_kernel.write(tree)
     try:
         yield
     finally:
         path.write_text(original)
+        build_kernel.write(tree)
 
 
 REPORT_PLUGIN = '''
@@ -265,7 +286,8 @@ def run_tests(tree: Path, tests: list[str]) -> tuple[dict[str, str], str]:
     (tree / "_mutation_report.py").write_text(REPORT_PLUGIN)
     report = tree / "_mutation_report.json"
     report.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", MUTATION_REPORT=str(report))
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", MUTATION_REPORT=str(report),
+               M3_SPARSE_KERNEL=str(tree))
     env.setdefault("HF_HUB_OFFLINE", "1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_mutation_report", *tests]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -123,11 +123,14 @@ class _HostEvent:
 
 
 class _Tokens:
-    def __init__(self):
-        self.puts = []
+    """A streamer that keeps what it is given and how many forward passes had run then."""
+
+    def __init__(self, forwards):
+        self.puts, self.forwards, self.seen = [], forwards, []
 
     def put(self, value):
         self.puts.append(value.clone())
+        self.seen.append(len(self.forwards))
 
     def end(self):
         self.puts.append("end")
@@ -150,14 +153,17 @@ def _generate(model, ids, mask, eos, deferred, monkeypatch):
 
     monkeypatch.setattr(generation.StopCheck, "__init__", spy)
     cache = M3PagedCache(model.config, ids.shape[0], ids.shape[1] + 12, page_size=PAGE)
-    streamer = _Tokens()
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    streamer = _Tokens(forwards)
     out = model.generate(
         input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False,
         pad_token_id=PAD, eos_token_id=eos, disable_compile=True, return_dict_in_generate=True,
         output_scores=True, streamer=streamer,
     )
+    hook.remove()
     monkeypatch.undo()
-    return out, _lengths(cache), streamer.puts, made
+    return out, _lengths(cache), streamer, made
 
 
 def _eos_for_early_stop(model, ids, mask):
@@ -174,17 +180,24 @@ def _eos_for_early_stop(model, ids, mask):
     pytest.skip("no token ends row 0 early and row 1 later with this seed")
 
 
-@pytest.mark.parametrize("stop", ["row0_early", "all_early", "length"])
+@pytest.mark.parametrize("stop", ["row0_early", "all_early", "first_token", "length"])
 def test_the_deferred_loop_gives_the_checked_loop_result(model, monkeypatch, stop):
     ids, mask = _batch(4)
     eos, free = _eos_for_early_stop(model, ids, mask)
     if stop == "all_early":  # both rows end on their own tokens: the loop stops before max_new_tokens
         eos = [eos, int(free[1, 5])]
+    elif stop == "first_token":  # every row ends on the prefill's token: no decode step runs
+        eos = free[:, 0].tolist()
     elif stop == "length":
         eos = None
     with torch.no_grad():
         want, want_lengths, want_puts, checks = _generate(model, ids, mask, eos, False, monkeypatch)
         got, got_lengths, got_puts, deferred = _generate(model, ids, mask, eos, True, monkeypatch)
+    # The prompt, then the prefill's token before any decode step ran (it is read at once);
+    # the later tokens one step late.
+    assert got_puts.seen[:2] == want_puts.seen[:2] == [0, 1]
+    if stop != "first_token":
+        assert got_puts.seen[2] == want_puts.seen[2] + 1
     assert checks == ["StopCheck"] and deferred == ["DeferredStopCheck"]
     assert torch.equal(got.sequences, want.sequences)
     if stop == "all_early":
@@ -192,7 +205,10 @@ def test_the_deferred_loop_gives_the_checked_loop_result(model, monkeypatch, sto
     assert len(got.scores) == len(want.scores) == want.sequences.shape[1] - ids.shape[1]
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if stop == "first_token":
+        assert want.sequences.shape[1] == ids.shape[1] + 1
     assert got_lengths == want_lengths  # the step run past the stop was undone
+    got_puts, want_puts = got_puts.puts, want_puts.puts
     assert len(got_puts) == len(want_puts) and got_puts[-1] == "end"
     for a, b in zip(got_puts[:-1], want_puts[:-1]):
         assert torch.equal(a, b)

@@ -472,11 +472,33 @@ def _deferred_stop_check(base):
     class in place (a second kernel build loaded side by side extends the first one's)."""
 
     class DeferredStopCheck(base):
+        """With the paged cache, the prefill's token is read at once, as transformers'
+        per-step check reads it: a streamer shows it before the first decode step, which
+        records a CUDA graph for a new cache (tens of ms), is issued. The deferred reads
+        start with the next token. Other caches: transformers' class unchanged."""
+
+        def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None):
+            super().__init__(input_ids, max_length, cache, cache_is_returned, streamer)
+            self.paged = isinstance(cache, M3PagedCache)
+            self.deferring = not self.paged
+
         @staticmethod
         def is_supported(device, cache, cache_is_returned, is_assistant):
             if isinstance(cache, M3PagedCache) and device.type == "cuda" and not is_assistant:
                 return True
             return base.is_supported(device, cache, cache_is_returned, is_assistant=is_assistant)
+
+        def __call__(self, unfinished_sequences, tokens, length):
+            if self.deferring:
+                return super().__call__(unfinished_sequences, tokens, length)
+            self.deferring = True  # the next call is the deferred check's first
+            stop = generation.StopCheck.__call__(self, unfinished_sequences, tokens, length)
+            return stop or (self.max_length is not None and length >= self.max_length)
+
+        def finish(self):
+            if self.paged and self.is_first_step:  # stopped at the prefill's token: nothing ran past it or is held
+                return 0
+            return super().finish()
 
     DeferredStopCheck.m3_sparse_base = base
     return DeferredStopCheck
