@@ -80,7 +80,10 @@ dense twin's decode, its K/V repeated to Hq heads) exceeds ``--mem-frac`` of the
 memory is skipped with the estimate printed; an out-of-memory error is reported as OOM and
 the run goes on. generate() prefills a whole batch in one forward pass: at 32 x 32K (1M
 tokens) that runs out of memory on an H200 for either model, and ``--prefill-chunk N`` has
-every call prefill in chunks of N tokens instead (generate()'s ``prefill_chunk_size``).
+every call prefill in chunks of N tokens instead (generate()'s ``prefill_chunk_size``). The
+dense twin's chunks then run eagerly, as m3_sparse's do (``eager_chunked_prefill``):
+transformers runs them through the compiled forward it builds for the decode steps, which
+fails on CUDA; its decode steps stay compiled.
 
 Cost on an H200 (estimated from earlier runs, not yet measured as a whole): the decode steps
 cost little (``--new-tokens`` 20 keeps them to seconds per cell); prefills dominate, 2 + 2 x
@@ -677,6 +680,31 @@ def checked_stop():
 
 
 @contextlib.contextmanager
+def eager_chunked_prefill(model):
+    """generate() on ``model`` runs the chunks of a chunked prefill eagerly, its decode steps
+    compiled as before. transformers runs the chunks through the compiled forward that it
+    builds for the decode steps; with the dense twin's StaticCache on CUDA that stopped with
+    "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run"
+    (2026-12-04), so the dense twin had no chunked figure. (The package does the same for
+    M3PagedCache in generate() itself.)"""
+    original = model._prefill
+
+    def prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        eager = generation_config.disable_compile
+        generation_config.disable_compile = True  # read by the compile decision of this prefill only
+        try:
+            return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            generation_config.disable_compile = eager
+
+    model._prefill = prefill
+    try:
+        yield
+    finally:
+        del model._prefill
+
+
+@contextlib.contextmanager
 def _both(first, second):
     with first, second:
         yield
@@ -715,6 +743,8 @@ def run_cell(config: Config, shape: Shape, pattern: str, models: dict, args, war
         env_var("M3_SPARSE_IMPL", "auto") if config.attn == "m3_sparse" else contextlib.nullcontext())
     if config.checked_stop:
         ctx = _both(ctx, checked_stop())
+    if config.model == "dense" and args.prefill_chunk:
+        ctx = _both(ctx, eager_chunked_prefill(model))
     trace = args.out / "traces" / f"{pattern}_{config.name}_{shape.label}.json" if args.keep_traces else None
     try:
         result, failure = attempt(model, config, shape, args, ctx, warm, trace, bar_step)
