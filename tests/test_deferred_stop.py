@@ -78,7 +78,9 @@ def test_crop_forms_and_refusals(model):
     ids, mask = _batch(2)
     feed = torch.randint(3, 150, (4, 2), generator=torch.Generator().manual_seed(3))
     cache = M3PagedCache(model.config, 2, 64, page_size=PAGE)
-    cache.crop(-3)  # nothing fed yet: nothing to do
+    cache.crop(0)
+    with pytest.raises(ValueError, match=r"fed 0 token slots per sequence; it cannot remove 3"):
+        cache.crop(-3)
     _run(model, cache, ids, mask, feed)
     held = _lengths(cache)
     cache.crop(0)

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_6727937b8d"
+NAMESPACE = "_m3_sparse_cuda_42fc856273"
 
 ops = getattr(torch.ops, NAMESPACE)
 

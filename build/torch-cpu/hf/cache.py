@@ -850,7 +850,7 @@ class M3PagedCache(Cache):
         tokens than the cache was fed."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
             raise ValueError(f"crop: expected an int (minus the tokens to remove), got {tokens_to_remove!r}")
-        if tokens_to_remove == 0 or self._lengths is None:
+        if tokens_to_remove == 0:
             return
         held = self.slots_used  # after compiled steps: one read of the device count
         remove = held - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
