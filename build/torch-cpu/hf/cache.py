@@ -257,7 +257,10 @@ class M3PagedLayer(CacheLayerMixin):
             # scatters in place. Through a view, inductor rebuilt the whole pool and copied it
             # back on every write (docs/perf-log/2026-12-03.md).
             page, slot = self._state("page"), self._state("slot")
-            index = (page[..., None], self._heads, slot[..., None]) if kv else (page, slot)
+            # The head index made in the graph rather than read from the layer: one tensor
+            # fewer for torch.compile to check on every call of the compiled step.
+            heads = torch.arange(pool.shape[1], device=pool.device)
+            index = (page[..., None], heads, slot[..., None]) if kv else (page, slot)
             pool.index_put_(index, values.to(pool.dtype))
             return
         # Eager: one row index per token (and head) into the pool seen as rows of D values,
