@@ -30,6 +30,12 @@ Configurations (``--configs``):
   stop flag read on the host every step, as transformers does on CUDA for other caches (the
   package has generate() read it one step late for the paged cache: transformers'
   ``DeferredStopCheck``); the step that change saves.
+* ``m3_sparse-no-module-guards`` (not in the default list): the ``m3_sparse`` row with
+  generate()'s compile told to skip torch.compile's guards on the model's modules
+  (``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe``; CUDA graphs as
+  by default): the part of a compiled step's host time that checking the model's structure
+  costs on every call. Those guards catch a model changed after it was compiled (modules
+  swapped, hooks added, dtype changed); without them such a model runs its old graph.
 * ``sdpa`` (not in the default list): transformers' own M3 path on the same model
   (``attn_implementation="sdpa"``, its dynamic cache, which generate() never compiles); it
   expands the block selection into a dense ``[batch, Hq, queries, keys]`` mask.
@@ -68,7 +74,8 @@ Profile (the last ``--profile-steps`` decode steps of the last measured call, se
 token to its own, the GPU drained at both ends, profiled with ``torch.profiler`` (CPU and
 CUDA activity). Per step: host ms (the window's wall time less the time in runtime calls
 that wait for the GPU: what the host spends issuing the step, including generate()'s own
-work and a few microseconds of profiler overhead per op), GPU ms (summed kernel durations,
+work and a few microseconds of profiler overhead per op; of it, the time in torch.compile's
+guard check and inside its compiled frame), GPU ms (summed kernel durations,
 kernels inside CUDA graphs included), launches (kernel launches plus graph launches, one
 each) and kernels (kernels run, each kernel of a replayed graph counted). Profiling the tail
 of a measured call rather than a separate generate() costs no extra prefill, and the
@@ -129,7 +136,7 @@ import torch  # noqa: E402
 
 import m3_hf_attention  # noqa: E402,F401  (registers attn_implementation="m3_sparse")
 import transformers  # noqa: E402
-from transformers import LogitsProcessorList, StaticCache  # noqa: E402
+from transformers import CompileConfig, LogitsProcessorList, StaticCache  # noqa: E402
 from transformers.generation import utils as generation  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig  # noqa: E402
@@ -151,6 +158,7 @@ class Config:
     eager: bool  # generate(disable_compile=True)
     what: str
     checked_stop: bool = False  # transformers' stop check every step (not deferred)
+    module_guards: bool = True  # False: torch.compile skips its guards on the model's modules
 
 
 CONFIGS = {c.name: c for c in (
@@ -165,6 +173,11 @@ CONFIGS = {c.name: c for c in (
     Config("m3_sparse-checked", "sparse", "m3_sparse", False,
            "the m3_sparse row with generate()'s stop flag read on the host every step (transformers' choice on "
            "CUDA; the package defers it for the paged cache)", checked_stop=True),
+    Config("m3_sparse-no-module-guards", "sparse", "m3_sparse", False,
+           "the m3_sparse row compiled without torch.compile's guards on the model's modules (generate()'s "
+           "CompileConfig with guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe, CUDA graphs "
+           "kept): the host time those checks cost a step; sound only while the model is not changed after its "
+           "first generate()", module_guards=False),
     Config("sdpa", "sparse", "sdpa", False,
            "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache"),
 )}
@@ -418,6 +431,11 @@ def call_args(config: Config, model, shape: Shape, args):
     """generate()'s extra arguments for one call of ``config`` (a fresh cache each call), with
     room for ``--new-tokens`` in every call: a shorter call then runs the same shapes."""
     extra = {"disable_compile": True} if config.eager else {}
+    if not config.module_guards:
+        # generate()'s default (inductor, CUDA graphs: what mode="reduce-overhead" sets), and a
+        # guard filter, which torch.compile takes through options only.
+        extra["compile_config"] = CompileConfig(mode=None, options={
+            "triton.cudagraphs": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     length = shape.context + args.new_tokens
     if config.model == "dense":
         extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=length)
@@ -654,6 +672,8 @@ class Cell:
     decode_ms_synced: float | None = None
     decode_tok_s: float | None = None
     host_ms: float | None = None
+    guard_ms: float | None = None
+    frame_ms: float | None = None
     gpu_ms: float | None = None
     launches: float | None = None
     kernels: float | None = None
@@ -769,7 +789,7 @@ def run_cell(config: Config, shape: Shape, pattern: str, models: dict, args, war
         cell.note = "generate() did not compile the decode step (the cache does not say it is compileable)"
     for name in ("ttft_ms", "decode_ms_per_step", "decode_ms_synced", "decode_tok_s", "peak_gib"):
         setattr(cell, name, result[name])
-    for name in ("host_ms", "gpu_ms", "launches", "kernels"):
+    for name in ("host_ms", "guard_ms", "frame_ms", "gpu_ms", "launches", "kernels"):
         setattr(cell, name, prof.get(name))
     cell.details = {k: v for k, v in result.items() if k not in asdict(cell)}
     return cell
@@ -825,16 +845,17 @@ def table(cells: list[Cell]) -> str:
     for c in cells:
         note = c.note if len(c.note) <= 90 else c.note[:87] + "..."
         if c.status != "ok":
-            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 13 + [note])
+            rows.append([c.layers, c.config, c.label, c.status] + ["-"] * 15 + [note])
             continue
         bound = c.decode_ms_per_step / c.gpu_ms if c.gpu_ms else None  # 1.0: the step is its kernels' time
         rows.append([c.layers, c.config, c.label, c.mode, _f(c.ttft_ms, ".1f"), _f(c.decode_tok_s, ".1f"),
                      _f(c.decode_ms_per_step, ".2f"), _f(c.decode_ms_synced, ".2f"), _f(c.host_ms, ".2f"),
-                     _f(c.gpu_ms, ".2f"), _f(bound, ".2f"),
+                     _f(c.guard_ms, ".2f"), _f(c.frame_ms, ".2f"), _f(c.gpu_ms, ".2f"), _f(bound, ".2f"),
                      _f(c.launches, ".0f"), _f(c.kernels, ".0f"), _x(c.prefill_speedup), _x(c.decode_speedup),
                      _f(c.peak_gib, ".1f"), note])
     return common.md_table(["layers", "config", "context", "decode mode", "TTFT ms", "decode tok/s", "step ms",
-                            "synced step ms", "host ms/step", "GPU ms/step", "step / GPU", "launches/step",
+                            "synced step ms", "host ms/step", "guards ms/step", "compiled frame ms/step",
+                            "GPU ms/step", "step / GPU", "launches/step",
                             "kernels/step", "TTFT speedup", "decode speedup", "peak GiB", "note"], rows)
 
 
@@ -875,8 +896,10 @@ def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
         "- decode mode: eager (generate() did not use its compiled forward), compiled (it did), graphs (compiled, and "
         "the profile shows CUDA-graph launches). Before each compiled row torch.compiler.reset().",
         (f"- Per step, from torch.profiler over the last {p} decode steps of the last measured call, the GPU drained "
-         "at each step's ends: host ms = wall time less runtime calls that wait for the GPU; GPU ms = summed kernel "
-         "time (kernels in graphs included); launches = kernel and graph launches; kernels = kernels run."
+         "at each step's ends: host ms = wall time less runtime calls that wait for the GPU; guards ms and compiled "
+         "frame ms = the parts of host ms in torch.compile's guard check and inside its compiled frame (the rest is "
+         "generate()'s loop; 0 for an eager step); GPU ms = summed kernel time (kernels in graphs included); "
+         "launches = kernel and graph launches; kernels = kernels run."
          if p else "- No profile (--profile-steps 0)."),
         f"- SDPA backends of the dense rows: {cudnn}; transformers passes a padding mask at decode with a static "
         "cache, so SDPA gets K/V repeated to Hq heads and takes a masked kernel.",
@@ -924,7 +947,8 @@ def result_rows(args, env, cudnn, cells, earlier) -> common.Results:
         results.add(f"{c.layers} {c.config} {c.label}", c.decode_ms_per_step, what=f"{c.config}: generate() decode step",
                     sizes=sizes, baseline=baseline, baseline_ms=ref.decode_ms_per_step if ref else None,
                     speedup=c.decode_speedup, phase="decode", decode_tok_s=c.decode_tok_s, host_ms=c.host_ms,
-                    gpu_ms=c.gpu_ms, launches=c.launches, kernels=c.kernels, **common_metrics)
+                    guard_ms=c.guard_ms, frame_ms=c.frame_ms, gpu_ms=c.gpu_ms, launches=c.launches,
+                    kernels=c.kernels, **common_metrics)
     return results
 
 
@@ -977,7 +1001,8 @@ def log_cell(cell: Cell) -> None:
     warm = cell.details.get("warmup_s")
     log(f"{head}: {cell.mode}, TTFT {cell.ttft_ms:.1f} ms, decode {cell.decode_ms_per_step:.2f} ms/step "
         f"({cell.decode_tok_s:.1f} tok/s; first step {cell.details['first_decode_step_ms']:.1f} ms), host "
-        f"{_f(cell.host_ms, '.2f')} ms, GPU {_f(cell.gpu_ms, '.2f')} ms, {_f(cell.launches, '.0f')} launches, "
+        f"{_f(cell.host_ms, '.2f')} ms (guards {_f(cell.guard_ms, '.2f')}, compiled frame {_f(cell.frame_ms, '.2f')}), "
+        f"GPU {_f(cell.gpu_ms, '.2f')} ms, {_f(cell.launches, '.0f')} launches, "
         f"{_f(cell.kernels, '.0f')} kernels per step, peak {_f(cell.peak_gib, '.1f')} GiB, "
         f"warm-up {'none' if warm is None else f'{warm:.1f} s'}, cell {cell.details['cell_s']:.1f} s")
 

@@ -772,6 +772,10 @@ STEP_MARK = "generate.decode_step"
 # Runtime / driver calls during which the host waits for the GPU rather than issuing work
 # (a device-to-host copy waits for the stream; so does every synchronize).
 _WAITS = ("Synchronize", "Memcpy")
+# Host events of a torch.compile'd call: the guard check that picks the compiled frame (run
+# before the frame, not inside it), then the frame itself (named "...: frame id/compile id").
+_GUARD_CHECK = "TorchDynamo Cache Lookup"
+_COMPILED_FRAME = "Torch-Compiled Region"
 
 
 def _is_graph_launch(name: str) -> bool:
@@ -868,7 +872,11 @@ def step_profile(events: list[dict], gpu: bool) -> dict:
     * gpu_ms: the summed duration of the GPU kernels that start inside the window (inside a
       CUDA graph too, where the profiler shows them), memory copies and sets left out;
     * launches: kernel launch calls plus graph launches, one each (graph_launches: the
-      latter alone); kernels: GPU kernels run, each kernel of a replayed graph counted.
+      latter alone); kernels: GPU kernels run, each kernel of a replayed graph counted;
+    * guard_ms and frame_ms, parts of host_ms: torch.compile's guard checks, and the host
+      time inside its compiled frames (outermost ones, waits left out), where the step ran
+      through torch.compile (0 where it did not). The rest of host_ms is generate()'s own
+      loop around the model call.
 
     Medians over the windows, and the per-window values under ``per_step``. Without a GPU
     (``gpu`` False) the GPU figures are None."""
@@ -877,14 +885,21 @@ def step_profile(events: list[dict], gpu: bool) -> dict:
     if not windows:
         raise ValueError(f"no {STEP_MARK} window in the trace")
     calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
+    waits = [e for e in calls if any(w in e["name"] for w in _WAITS)]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    host = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+    guards = [e for e in host if e.get("name") == _GUARD_CHECK]
+    frames = _outermost([e for e in host if str(e.get("name", "")).startswith(_COMPILED_FRAME)])
     steps = []
     for a, b in windows:
         inside = [e for e in calls if a <= e["ts"] < b]
-        waited = sum(min(e["ts"] + e["dur"], b) - e["ts"] for e in inside if any(w in e["name"] for w in _WAITS))
+        waited = _overlap(waits, a, b)
         run = [k for k in kernels if a <= k["ts"] < b]
+        mine = [f for f in frames if a <= f["ts"] < b]
         steps.append({
             "host_ms": (b - a - waited) / 1e3,
+            "guard_ms": sum(g["dur"] for g in guards if a <= g["ts"] < b) / 1e3,
+            "frame_ms": sum(f["dur"] - _overlap(waits, f["ts"], f["ts"] + f["dur"]) for f in mine) / 1e3,
             "gpu_ms": sum(k["dur"] for k in run) / 1e3 if gpu else None,
             "launches": sum(_is_launch(e["name"]) for e in inside) if gpu else None,
             "graph_launches": sum(_is_graph_launch(e["name"]) for e in inside) if gpu else None,
@@ -893,4 +908,19 @@ def step_profile(events: list[dict], gpu: bool) -> dict:
     out = {key: (None if steps[0][key] is None else statistics.median(s[key] for s in steps)) for key in steps[0]}
     out["steps"] = len(steps)
     out["per_step"] = steps
+    return out
+
+
+def _overlap(waits: list[dict], a: float, b: float) -> float:
+    """Time (us) of the calls in ``waits`` that start in [a, b), cut at b."""
+    return sum(min(e["ts"] + e["dur"], b) - e["ts"] for e in waits if a <= e["ts"] < b)
+
+
+def _outermost(spans: list[dict]) -> list[dict]:
+    """The spans not inside another one of them (a compiled frame can call another)."""
+    out, end = [], float("-inf")
+    for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e["dur"]
     return out

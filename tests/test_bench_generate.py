@@ -30,13 +30,18 @@ def _x(name, cat, ts, dur, **args):
 def gpu_trace():
     """Two decode-step windows of 1000 and 1200 us: the first launches two kernels, one
     Triton kernel and one graph of two kernels, and waits 300 us in a synchronize; the
-    second launches one kernel and one graph of three, and waits 100 us in a copy."""
+    second launches one kernel and one graph of three, and waits 100 us in a copy. The
+    first is a compiled call (a 30 us guard check, then a 200 us compiled frame that calls
+    another); in the second, the copy's wait is inside a 150 us compiled frame."""
     mark = common.STEP_MARK
     return [
         _x("aten::mm", "cpu_op", 50, 10),
         _x("cudaLaunchKernel", "cuda_runtime", 60, 5),  # before the first window: not counted
         _x("early", "kernel", 70, 40),
         _x(f"{mark}.5", "user_annotation", 100, 1000),
+        _x("TorchDynamo Cache Lookup", "cpu_op", 105, 30),
+        _x("Torch-Compiled Region: 0/0", "cpu_op", 140, 200),
+        _x("Torch-Compiled Region: 1/0", "cpu_op", 150, 20),  # inside the first: not counted again
         _x("cudaLaunchKernel", "cuda_runtime", 110, 5),
         _x("cudaLaunchKernelExC", "cuda_runtime", 120, 5),
         _x("cuLaunchKernelEx", "cuda_driver", 130, 5),
@@ -48,6 +53,7 @@ def gpu_trace():
         _x(f"{mark}.6", "user_annotation", 1200, 1200),
         _x("cudaLaunchKernel", "cuda_runtime", 1210, 5),
         _x("cudaGraphLaunch_v10000", "cuda_runtime", 1220, 20),
+        _x("Torch-Compiled Region: 0/0", "cpu_op", 1990, 150),
         _x("cudaMemcpyAsync", "cuda_runtime", 2000, 100),
         _x("k4", "kernel", 1250, 10),
         _x("g1", "kernel", 1270, 10), _x("g2", "kernel", 1290, 10), _x("g3", "kernel", 1310, 10),
@@ -59,8 +65,10 @@ def gpu_trace():
 def test_step_profile_reads_a_gpu_trace():
     prof = common.step_profile(gpu_trace(), gpu=True)
     first, second = prof["per_step"]
-    assert first == {"host_ms": 0.7, "gpu_ms": 0.15, "launches": 4, "graph_launches": 1, "kernels": 5}
-    assert second == {"host_ms": 1.1, "gpu_ms": 0.04, "launches": 2, "graph_launches": 1, "kernels": 4}
+    assert first == {"host_ms": 0.7, "guard_ms": 0.03, "frame_ms": 0.2, "gpu_ms": 0.15, "launches": 4,
+                     "graph_launches": 1, "kernels": 5}
+    assert second == {"host_ms": 1.1, "guard_ms": 0.0, "frame_ms": 0.05, "gpu_ms": 0.04, "launches": 2,
+                      "graph_launches": 1, "kernels": 4}
     assert prof["steps"] == 2
     assert prof["host_ms"] == pytest.approx(0.9) and prof["gpu_ms"] == pytest.approx(0.095)
     assert (prof["launches"], prof["graph_launches"], prof["kernels"]) == (3, 1, 4.5)
@@ -90,26 +98,55 @@ def tiny_dense_model():
     return model
 
 
-def test_compiled_calls_sees_whether_generate_compiled():
-    """A static cache and a compile config that allows the CPU (transformers' own switch for
-    tests; the eager backend, so nothing is built): generate() runs its 4 decode steps through
-    the compiled forward; with disable_compile it runs none. The hook is gone afterwards."""
+def generate_on_cpu(model, ids, new_tokens: int, compiled: bool, **kwargs) -> None:
+    """Greedy generate() of ``new_tokens`` tokens with a static cache; with ``compiled`` its
+    decode steps go through the compiled forward (a compile config that allows the CPU,
+    transformers' own switch for tests, and the eager backend, so nothing is built), else
+    ``disable_compile``."""
     from transformers import StaticCache
     from transformers.generation.configuration_utils import CompileConfig
 
-    model = tiny_dense_model()
     config = CompileConfig(backend="eager", mode=None)
     config._compile_all_devices = True
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, past_key_values=cache, compile_config=config,
+                       disable_compile=not compiled, **kwargs)
+
+
+def test_compiled_calls_sees_whether_generate_compiled():
+    """generate() runs its 4 decode steps through the compiled forward; with disable_compile
+    it runs none. The hook is gone afterwards."""
+    model = tiny_dense_model()
     ids = torch.randint(3, 64, (1, 20), generator=torch.Generator().manual_seed(1))
     counts = []
-    for disable in (False, True):
-        with torch.no_grad(), common.CompiledCalls(model) as watch:
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
-                           do_sample=False, past_key_values=StaticCache(config=model.config, max_cache_len=25),
-                           compile_config=config, disable_compile=disable)
+    for compiled in (True, False):
+        with common.CompiledCalls(model) as watch:
+            generate_on_cpu(model, ids, 5, compiled)
         counts.append(watch.calls)
         assert "get_compiled_call" not in vars(model)
     assert counts == [4, 0]
+
+
+def test_step_profile_splits_a_compiled_steps_host_time():
+    """On the CPU, with the trace torch writes: a decode step through generate()'s compiled
+    forward (the eager backend) shows a guard check and a compiled frame inside its host time;
+    an eager step shows neither. Fails if torch renames the events the split reads."""
+    from transformers import LogitsProcessorList
+
+    model = tiny_dense_model()
+    ids = torch.randint(3, 64, (1, 20), generator=torch.Generator().manual_seed(3))
+    profiles = []
+    for compiled in (True, False):
+        profiler = common.StepProfiler(ids.shape[1], 7, 2, torch.device("cpu"))
+        generate_on_cpu(model, ids, 7, compiled, logits_processor=LogitsProcessorList([profiler]))
+        profiles.append(profiler.summary())
+    compiled, eager = profiles
+    for step in compiled["per_step"]:
+        assert 0 < step["guard_ms"] and 0 < step["frame_ms"]
+        assert step["guard_ms"] + step["frame_ms"] < step["host_ms"]
+    assert all(step["guard_ms"] == step["frame_ms"] == 0 for step in eager["per_step"])
 
 
 def test_step_profiler_profiles_the_last_steps():
@@ -173,6 +210,20 @@ def test_checked_stop_puts_transformers_stop_check_back_for_the_cell(bg):
     assert generation.DeferredStopCheck is deferred
 
 
+def test_the_no_module_guards_row_asks_for_the_filter_and_cuda_graphs(bg):
+    """The row's compile config keeps generate()'s CUDA graphs and hands torch.compile the
+    filter; every other row leaves generate() its default config."""
+    args = bg.parse_args(["--quick"])
+    shape = bg.Shape(1, 64)
+    config = bg.call_args(bg.CONFIGS["m3_sparse-no-module-guards"], None, shape, args)["compile_config"]
+    compile_kwargs = config.to_dict()
+    assert compile_kwargs["mode"] is None and compile_kwargs["backend"] == "inductor"
+    assert compile_kwargs["options"] == {"triton.cudagraphs": True,
+                                         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    for name in ("m3_sparse", "m3_sparse-checked", "m3_sparse-eager"):
+        assert "compile_config" not in bg.call_args(bg.CONFIGS[name], None, shape, args)
+
+
 def test_eager_chunked_prefill_runs_only_the_prefill_eagerly(bg):
     class Config:
         disable_compile = False
@@ -231,6 +282,7 @@ def test_quick_cpu_run(tmp_path):
         assert ttft["ms"] > 0 and rows["decode"]["ms"] > 0 and decode["host_ms"] > 0
         assert decode["details"]["profile"]["steps"] == 2
         assert decode["gpu_ms"] is None and decode["launches"] is None
+        assert decode["guard_ms"] == decode["frame_ms"] == 0  # nothing compiled
         pairs = decode["details"]["decode_ms_pairs"]
         # The median pair (the synced step stands in where CPU noise made it <= 0).
         assert len(pairs) == 3
@@ -241,7 +293,8 @@ def test_quick_cpu_run(tmp_path):
     # The eager rows follow their twins at the same size: no warm-up call of their own.
     assert cells["dense-eager"]["decode"]["metrics"]["details"]["warmup_s"] is None
     assert cells["dense"]["decode"]["metrics"]["details"]["warmup_s"] > 0
-    for column in ("decode mode", "host ms/step", "GPU ms/step", "launches/step", "kernels/step", "decode speedup"):
+    for column in ("decode mode", "host ms/step", "guards ms/step", "compiled frame ms/step", "GPU ms/step",
+                   "launches/step", "kernels/step", "decode speedup"):
         assert f"| {column} |" in md
     assert "| sf | m3_sparse-eager | 2x128 | eager |" in stdout
 
@@ -258,6 +311,7 @@ def test_quick_run_on_gpu_counts_launches(tmp_path):
         assert metrics["status"] == "ok", (name, metrics["note"])
         assert metrics["gpu_ms"] > 0 and metrics["kernels"] > 0 and metrics["launches"] > 0, name
     assert m["dense"]["mode"] == "graphs"
+    assert m["dense"]["guard_ms"] > 0 and m["dense"]["frame_ms"] > 0  # its compiled call's host time
     # The kernels inside the graph are counted one by one: more kernels than launches.
     assert m["dense"]["kernels"] > m["dense"]["launches"]
     assert m["dense-eager"]["mode"] == m["m3_sparse-eager"]["mode"] == "eager"
