@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_3049c39ecf"
+NAMESPACE = "_m3_sparse_cuda_a751c2dcbb"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -211,7 +211,7 @@ class M3PagedLayer(CacheLayerMixin):
         with _normal_tensors():
             self.keys = torch.zeros(shape, dtype=kv_dtype, device=device)
             self.values = torch.zeros(shape, dtype=kv_dtype, device=device)
-            self._heads = torch.arange(hkv, device=device)  # the head index of a K/V write
+            self._heads = torch.arange(hkv, device=device)  # the head index of an eager K/V write
             if self.is_sparse:
                 index_dtype = cache.index_key_dtype or dtype
                 self.index_keys = torch.zeros(
@@ -257,10 +257,13 @@ class M3PagedLayer(CacheLayerMixin):
             # scatters in place. Through a view, inductor rebuilt the whole pool and copied it
             # back on every write (docs/perf-log/2026-12-03.md).
             page, slot = self._state("page"), self._state("slot")
-            # The head index made in the graph rather than read from the layer: one tensor
-            # fewer for torch.compile to check on every call of the compiled step.
-            heads = torch.arange(pool.shape[1], device=pool.device)
-            index = (page[..., None], heads, slot[..., None]) if kv else (page, slot)
+            if kv:
+                # The head index made in the graph rather than read from the layer (_heads):
+                # one tensor fewer for torch.compile to check on every call of the step.
+                heads = torch.arange(pool.shape[1], device=pool.device)
+                index = (page[..., None], heads, slot[..., None])
+            else:
+                index = (page, slot)
             pool.index_put_(index, values.to(pool.dtype))
             return
         # Eager: one row index per token (and head) into the pool seen as rows of D values,
