@@ -2,7 +2,8 @@
 one rule for GPU tests.
 
 Without a GPU, Triton kernels run only in Triton's interpreter, which is picked when a kernel
-is decorated: it is chosen here, before any test module imports the kernel package.
+is decorated: it is chosen here, before any test module imports the kernel package. Releases
+whose interpreter cannot run the kernels stop the suite here, with what to install.
 
 GPU tests carry the ``gpu`` marker and are always collected; without CUDA this hook skips them,
 so ``pytest -m gpu`` is the GPU suite on a GPU machine and lists every GPU test on a CPU one.
@@ -13,14 +14,37 @@ CUDA or a GPU is an error: it would vanish from the GPU suite.
 
 import os
 import re
+from importlib import metadata
 
 import pytest
 import torch
 from hypothesis import settings
+from packaging.version import Version
+
+
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run the kernels with these releases, or None.
+
+    Triton before 3.7 turns a run-time loop bound (``range(lo, hi)`` over values computed
+    from the program id) into an int with ``int()`` of a one-element array, which numpy 2.4
+    and later refuse: every kernel with such a loop would fail with a TypeError inside the
+    interpreter. torch 2.11's CUDA wheels pin triton 3.6."""
+    if Version(triton_version).release < (3, 7) and Version(numpy_version).release >= (2, 4):
+        return (
+            f"the CPU tests run the Triton kernels in Triton's interpreter, and triton {triton_version}'s "
+            f"interpreter fails on numpy {numpy_version} (it converts one-element arrays with int(), which "
+            "numpy refuses from 2.4). Install numpy<2.4 (pip install 'numpy<2.4') or triton>=3.7, or run the "
+            "suite on a GPU."
+        )
+    return None
+
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    _problem = interpreter_problem(metadata.version("triton"), metadata.version("numpy"))
+    if _problem:
+        raise pytest.UsageError(_problem)
 
 # Every property test draws the same examples on every run and keeps no example database;
 # a test's own @settings overrides only what it names.

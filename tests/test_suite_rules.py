@@ -7,6 +7,7 @@ is false, so neither ``pytest -m gpu --collect-only`` on a CPU nor a count of sk
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -88,3 +89,24 @@ def test_an_unmarked_gpu_skipif_stops_the_run(tmp_path):
     assert res.returncode != 0
     text = res.stdout + res.stderr
     assert "must carry the gpu marker" in text and "test_hidden_from_the_gpu_suite" in text, text[-3000:]
+
+
+def _conftest_module():
+    """The suite's conftest.py as a module of its own (test modules cannot import it by name)."""
+    spec = importlib.util.spec_from_file_location("m3_suite_conftest", TESTS / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_named():
+    problem = _conftest_module().interpreter_problem
+    message = problem("3.6.0", "2.4.6")
+    assert message is not None
+    assert "triton 3.6.0" in message and "numpy 2.4.6" in message
+    assert "numpy<2.4" in message and "triton>=3.7" in message
+    assert problem("3.6.0", "2.5.2") is not None
+    # Either release on its good side runs the kernels.
+    assert problem("3.6.0", "2.3.5") is None
+    assert problem("3.7.0", "2.4.6") is None
+    assert problem("3.9.0", "2.5.2") is None
