@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_a751c2dcbb"
+NAMESPACE = "_m3_sparse_cpu_b1ffae9769"
 
 ops = getattr(torch.ops, NAMESPACE)
 

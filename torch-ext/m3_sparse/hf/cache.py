@@ -224,7 +224,7 @@ class M3PagedLayer(CacheLayerMixin):
                     self.index_scales = torch.zeros(
                         cache.num_pages + 1, cache.page_size, dtype=torch.float32, device=device
                     )
-        _mark_static(self.keys, self.values, self._heads, self.index_keys, self.index_scales)
+        _mark_static(self.keys, self.values, self.index_keys, self.index_scales)  # what a compiled step reads
         self.is_initialized = True
 
     # -- writes ------------------------------------------------------------------------
