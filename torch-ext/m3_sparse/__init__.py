@@ -73,6 +73,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# A literal list of strings: kernel-builder reads it from the source without importing
+# (the function list of its card), as do the public-API checks that version a kernel by it.
+# It holds transformers' entry points for a hub kernel (flash_attn_forward,
+# supports_flash_attn, m3_sparse_attention) and M3PagedCache; all but
+# supports_flash_attn are served by __getattr__ above and import transformers on use.
 __all__ = [
     "DecodeConfig",
     "DenseConfig",
@@ -86,6 +91,7 @@ __all__ = [
     "combine",
     "dense_paged_attention",
     "dense_paged_attention_kernel",
+    "flash_attn_forward",
     "index_prep",
     "index_topk",
     "kvouter_attention",
@@ -99,4 +105,5 @@ __all__ = [
     "schedule",
     "sparse_attention",
     "sparse_decode_attention",
+    "supports_flash_attn",
 ]
