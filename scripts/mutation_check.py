@@ -48,6 +48,7 @@ TIMEOUT_S = 1800
 
 K = "tests/kernels/"
 BRANCHES = K + "test_interpreter_branches.py::"
+PLACEMENT = "tests/test_cache_placement.py::"
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,26 @@ MUTATIONS = (
         old="            self.deferring = not self.paged\n", new="            self.deferring = True\n",
         tests=("tests/test_deferred_stop.py::test_the_deferred_loop_gives_the_checked_loop_result",),
         what="the prefill's token waits for the first decode step (a CUDA graph's recording) to be streamed",
+    ),  # fmt: skip
+    Mutation(
+        name="last_leading_pad_on_a_real_slot", path="hf/cache.py",
+        old="scratch = (i[None, :] < lead[:, None]) | (pos >= capacity)",
+        new="scratch = (i[None, :] < lead[:, None] - 1) | (pos >= capacity)",
+        tests=(PLACEMENT + "test_a_left_padded_prompt_sends_every_pad_to_the_scratch_page[16-cpu]",
+               PLACEMENT + "test_a_left_padded_prompt_sends_every_pad_to_the_scratch_page[128-cpu]",
+               "tests/test_fp8_index.py::test_cache_stores_quantized_keys_where_the_plain_cache_stores_keys"),
+        what="the last leading pad of a left-padded row is written to a real slot instead of the scratch page "
+             "(on the CPU its real token 0 overwrites it; on a GPU the two writes race)",
+    ),  # fmt: skip
+    Mutation(
+        name="leading_pads_after_a_history_on_real_slots", path="hf/cache.py",
+        old="scratch = (i[None, :] < lead[:, None]) | (pos >= capacity)",
+        new="scratch = (pos < 0) | (pos >= capacity)",
+        tests=(PLACEMENT + "test_a_left_padded_step_after_a_history[16-None-cpu]",
+               PLACEMENT + "test_a_left_padded_step_after_a_history[128-float8_e4m3fn-cpu]",
+               PLACEMENT + "test_a_left_padded_chunk_after_a_history_matches_the_unpadded_rows"),
+        what="only pads of negative position go to the scratch page: a step with leading pads on a cache that "
+             "holds a history writes them over the history's last tokens (a first step is unaffected)",
     ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
