@@ -4,12 +4,18 @@ top-k blocks x block size, so the selection really drops blocks."""
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.models.minimax_m3_vl import (
     MiniMaxM3VLConfig,
     MiniMaxM3VLForCausalLM,
     MiniMaxM3VLTextConfig,
     MiniMaxM3VLVisionConfig,
 )
+
+# The keyword generate() and the models take a cache under: transformers 5.24 renamed
+# ``past_key_values`` to ``cache`` (the old name is accepted, with a warning, until 5.40).
+CACHE_KEYWORD = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 PAD = 0
 VOCAB = 160

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_LINES = 300
+README_MAX_LINES = 250
 # PERF.md is a reference (current figures, floors, limits); dated runs go to docs/perf-log/.
 PERF_MAX_LINES = 400
 

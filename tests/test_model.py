@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import m3_hf_attention
 from m3_hf_attention import M3PagedCache
 from m3_hf_attention.compare import assert_prefill_matches_sdpa
-from model_utils import BLOCK, TOPK, greedy, left_padded_batch, random_prompt, save_tiny_text_model
+from model_utils import BLOCK, CACHE_KEYWORD, TOPK, greedy, left_padded_batch, random_prompt, save_tiny_text_model
 
 LOGIT_ATOL = 2e-4  # fp32 end to end; both paths sum the same keys in a different order
 LOGIT_TOL = LOGIT_ATOL  # the prefill check's bound: this x max(1, |logit|)
@@ -69,6 +69,19 @@ def test_generate_uses_paged_cache_by_default(models):
     out = greedy(sparse, ids, new_tokens=3, return_dict_in_generate=True)
     assert isinstance(out.past_key_values, M3PagedCache)
     assert out.past_key_values.sequence_lengths().tolist() == [22]  # the last token is not fed back
+
+
+def test_generate_takes_a_paged_cache_under_the_release_keyword(models):
+    """A cache passed under this transformers release's own keyword (``cache`` from 5.24,
+    ``past_key_values`` before) serves generate() as the default one does, and comes back."""
+    sparse, _ = models
+    ids = random_prompt(40, torch.Generator().manual_seed(4))[None]
+    default = greedy(sparse, ids, new_tokens=6)
+    cache = M3PagedCache(sparse.config, 1, 64, page_size=16)
+    out = greedy(sparse, ids, new_tokens=6, return_dict_in_generate=True, **{CACHE_KEYWORD: cache})
+    assert out.sequences.tolist() == default.tolist()
+    assert getattr(out, CACHE_KEYWORD) is cache
+    assert cache.sequence_lengths().tolist() == [45]
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
