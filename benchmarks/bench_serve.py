@@ -15,7 +15,8 @@ Requests: ``--requests`` prompts of random tokens, lengths drawn uniformly (seed
 r adds request i at i / r seconds after the start. Each run starts a fresh manager
 (``model.init_continuous_batching``, ``start``, ``add_request`` with per-token timestamps,
 ``get_result`` until every request finished, ``stop``) with a ``ContinuousBatchingConfig``
-of ``--block-size`` tokens per block and, by default, enough blocks for every request at
+of ``--block-size`` tokens per block (its ``page_size`` from transformers 5.18, where a block
+holds a page of each layer) and, by default, enough blocks for every request at
 once (``--num-blocks``), so no run waits for pages and both configurations hold the same
 pool, and ``--max-batch-tokens`` query tokens per step (default 8192, the value transformers
 picks when it sizes the cache itself; given a number of blocks it solves for a larger one,
@@ -23,11 +24,12 @@ with which ``paged|sdpa`` ran out of memory on the H200); the rest (CUDA graphs,
 fast path, asynchronous batching, compilation) is transformers' default for each attention.
 
 Configurations (``--configs``): ``m3_sparse`` (the sparse model loaded with
-``m3_sparse``: the manager switches it to ``paged|m3_sparse``, ``M3_SPARSE_IMPL=auto``),
-``dense`` (the dense twin on ``sdpa``, switched to ``paged|sdpa``; the baseline of the
-speedup columns). No flash-attention twin: transformers 5.17's M3 model class declares no
-flash-attention support (``_supports_flash_attn = False``), so it refuses
-``flash_attention_2`` / ``_4`` and the manager's ``paged|flash_attention_*`` with them.
+``m3_sparse``, ``M3_SPARSE_IMPL=auto``), ``dense`` (the dense twin on ``sdpa``; the baseline
+of the speedup columns). Up to transformers 5.18 the manager runs them as ``paged|m3_sparse``
+and ``paged|sdpa``; from 5.19 under their own names (the ``attn`` of each JSON row). No
+flash-attention twin: M3's text model class declares no flash-attention support
+(``_supports_flash_attn = False``, 5.17 through 5.25), so it refuses ``flash_attention_2`` /
+``_4``.
 
 Figures of a run, from the timestamps transformers takes when it appends a token (on the
 host, after the step's tokens came back from the device): output tokens/s (all generated
@@ -88,12 +90,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bench_generate as bg  # noqa: E402  (models, environment, flags)
+import m3_hf_attention  # noqa: E402
 import transformers  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor  # noqa: E402
 
 tqdm = bg.tqdm
+SERVING = m3_hf_attention.integration.serving  # paged|m3_sparse's integration (and its compat)
 DEFAULT_CONFIGS = "m3_sparse,dense"
 CONFIGS = {
     # name: (model, attn_implementation it is loaded with; the manager prefixes "paged|")
@@ -140,7 +144,9 @@ def parse_args(argv=None):
     p.add_argument("--rates", default=None,
                    help="arrival rates in requests/s, comma separated, one run each; 0 = all at once "
                    "(default 0,4; --quick 0,50)")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per cache block (default 256; --quick 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per cache block of each layer, ContinuousBatchingConfig.page_size (block_size up to "
+                   "transformers 5.17; default 256; --quick 16)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="cache blocks (default: every request's prompt and new tokens at once)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
@@ -213,7 +219,8 @@ def gen_config(new_tokens: int) -> GenerationConfig:
 
 def cb_config(args, prompts) -> ContinuousBatchingConfig:
     blocks = args.num_blocks or sum(-(-(len(p) + args.new_tokens + 1) // args.block_size) for p in prompts)
-    return ContinuousBatchingConfig(block_size=args.block_size, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens)
+    pages = {SERVING.compat.CB_PAGE_SIZE_FIELD: args.block_size}
+    return ContinuousBatchingConfig(**pages, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens)
 
 
 @dataclass

@@ -43,7 +43,7 @@ except ImportError:  # a checkout that was not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import m3_hf_attention
 
-from m3_hf_attention import M3PagedCache
+from m3_hf_attention import CACHE_KEYWORD, M3PagedCache
 from m3_hf_attention import compare as compare_sdpa
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
@@ -288,7 +288,7 @@ def m3_batch_logits(model, batch: Batch, device: torch.device) -> torch.Tensor:
     cache = M3PagedCache(model.config, ids.shape[0], ids.shape[1], device=device, dtype=model.dtype)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_KEYWORD: cache})
     return out.logits
 
 

@@ -13,7 +13,7 @@ package), which this package exposes as ``m3_hf_attention.cache``, ``.integratio
 """
 
 from . import cache, integration, mask, tp
-from ._kernel import load_kernel
+from ._kernel import kernel_module, load_kernel
 
 M3PagedCache = cache.M3PagedCache
 M3PagedLayer = cache.M3PagedLayer
@@ -21,6 +21,9 @@ ATTN_IMPLEMENTATION = integration.ATTN_IMPLEMENTATION
 m3_sparse_attention = integration.m3_sparse_attention
 m3_sparse_mask = integration.m3_sparse_mask
 register = integration.register
+# The keyword a model's forward and generate() take a cache under: "cache" from transformers
+# 5.24, "past_key_values" before (still accepted, with a warning, until 5.40).
+CACHE_KEYWORD = kernel_module("hf.compat").CACHE_KEYWORD
 
 register()
 
@@ -28,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "CACHE_KEYWORD",
     "M3PagedCache",
     "M3PagedLayer",
     "cache",

@@ -3,15 +3,18 @@
 ``generate()`` with ``m3_sparse`` (fp32), whatever else shares its steps: prompts of
 different lengths, prompts cut into several prefill chunks, requests joining mid-run,
 requests waiting for pages. The step layout built from transformers' keywords is checked
-against its own cache bookkeeping, padded steps included."""
+against its own cache bookkeeping, padded steps included, on either cache design
+(transformers 5.17's layer groups, 5.18's allocators: ``serving.cache_design``)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,12 +25,14 @@ from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
+from transformers.generation.continuous_batching.requests import RequestState
 from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
 
 import m3_hf_attention
 from model_utils import BLOCK, PAD, TOPK, random_prompt, randomize_norms, save_tiny_text_model, text_config, vl_config
 
 serving = m3_hf_attention.integration.serving
+compat = serving.compat
 ROOT = Path(__file__).resolve().parents[1]
 REPO_ID = "m3-hf-attention/m3-sparse"
 NEW_TOKENS = 10
@@ -40,8 +45,14 @@ def gen_config(new_tokens: int = NEW_TOKENS) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=PAD)
 
 
+def page_config(tokens_per_page: int, **kwargs) -> ContinuousBatchingConfig:
+    """A ContinuousBatchingConfig of ``tokens_per_page`` tokens per page (``block_size`` up to
+    transformers 5.17, ``page_size`` later)."""
+    return ContinuousBatchingConfig(**{compat.CB_PAGE_SIZE_FIELD: tokens_per_page}, **kwargs)
+
+
 def cb_config(num_blocks: int = 64) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(num_blocks=num_blocks, block_size=CB_BLOCK, max_batch_tokens=CHUNK)
+    return page_config(CB_BLOCK, num_blocks=num_blocks, max_batch_tokens=CHUNK)
 
 
 def prompts(lengths, seed=0) -> list[list[int]]:
@@ -111,11 +122,18 @@ def test_mixed_lengths_equal_generate(model, steps):
 
 
 def test_paged_name_at_load(checkpoint, model):
-    paged = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="paged|m3_sparse").eval()
+    """Loading with ``paged|m3_sparse``: up to transformers 5.18 that is continuous batching's
+    name, which a plain forward refuses; from 5.19 from_pretrained drops the prefix. Either way
+    the model serves."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.19+: "The `paged|` prefix is no longer needed"
+        paged = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="paged|m3_sparse").eval()
+    assert paged.config._attn_implementation == ("paged|m3_sparse" if compat.CB_PAGED_NAMES else "m3_sparse")
     batch = prompts([33, 90], seed=1)
     assert run_batch(paged, batch) == [reference(model, p) for p in batch]
-    with pytest.raises(ValueError, match="continuous batching"):
-        paged(torch.tensor([batch[0]]))
+    if compat.CB_PAGED_NAMES:
+        with pytest.raises(ValueError, match="continuous batching"):
+            paged(torch.tensor([batch[0]]))
 
 
 def test_requests_join_mid_run(model, steps):
@@ -173,13 +191,41 @@ def test_prefix_cache_reuses_index_keys(model, steps):
     assert (kv - q, kv) == (len(prefix), len(second))  # the prefix: three whole blocks, reused
 
 
+def test_forked_requests_keep_their_index_keys(model):
+    """num_return_sequences: the manager forks a request once its prompt is in, and the children
+    share its complete blocks and get copies of its last one, whose index keys must come along
+    (transformers 5.17 copies K/V only; from 5.18 a sparse block's bytes hold them). With top-1
+    sampling every child's tokens equal the prompt's greedy generate()."""
+    prompt = prompts([70], seed=6)[0]  # four complete blocks of 16 and a partial one
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1, num_return_sequences=2,
+                              eos_token_id=-1, pad_token_id=PAD)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        manager.add_request(prompt, request_id="r", max_new_tokens=NEW_TOKENS)
+        results = {}
+        while len(results) < 2:
+            out = manager.get_result(timeout=60)
+            assert out is not None, "no result within 60 s"
+            if out.is_finished():
+                results[out.request_id] = out
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert len(results) == 2 and [r.error for r in results.values()] == [None, None]
+    want = reference(model, prompt)
+    assert [r.generated_tokens for r in results.values()] == [want, want]
+
+
 def test_requests_wait_for_pages(model, steps):
     # 10 blocks of 16 = 160 token slots: each request fits alone (<= 81 tokens), not all three at once.
     batch = prompts([70, 70, 45], seed=3)
     assert run_batch(model, batch, num_blocks=10) == [reference(model, p) for p in batch]
     held = [sum(kvs) for _, kvs, _ in steps]
-    # The pool ran full (within a block) and never over; the three need 218 slots at once.
-    assert 160 - CB_BLOCK < max(held) <= 160 < sum(len(p) + NEW_TOKENS + 1 for p in batch)
+    # Requests shared the pool (one holds at most 81 slots) and it never held more than 160,
+    # fewer than the 218 the three need at once. (transformers 5.17 and 5.25 fill it to within
+    # a block. 5.18-5.24 turn num_blocks into bytes as blocks of K/V alone, so the sparse
+    # layers' index keys leave them a smaller pool.)
+    assert max(len(p) + NEW_TOKENS + 1 for p in batch) < max(held) <= 160 < sum(len(p) + NEW_TOKENS + 1 for p in batch)
 
 
 def test_request_larger_than_the_pool_is_refused(model):
@@ -209,17 +255,21 @@ def test_hub_string(checkpoint, model, suffix):
     """A model loaded with the kernel's hub string (without importing m3_hf_attention) serves
     through generate_batch: the manager's ``paged|`` + hub string runs this attention."""
     impl = REPO_ID + suffix
+    served = compat.cb_attn_implementation(impl)
     env = dict(os.environ, LOCAL_KERNELS=f"{REPO_ID}={ROOT}", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "hub_string_serve.py"), str(checkpoint), impl],
+        [sys.executable, str(ROOT / "tests" / "scripts" / "hub_string_serve.py"), str(checkpoint), impl, served],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["attn_implementation"] == impl and not got["imported_m3_hf_attention"]
-    assert got["served_attention"].endswith("hf.serving.paged_m3_sparse_attention")
-    assert got["served_mask"].endswith("hf.serving.no_mask")
+    if served != impl:  # paged| + the hub string up to 5.18, this package's serving name in 5.19-5.23: no mask
+        assert got["served_attention"].endswith("hf.serving.paged_m3_sparse_attention")
+        assert got["served_mask"] is None or got["served_mask"].endswith("hf.serving.no_mask")
+    else:  # the hub string itself: the kernel's attention, which hands serving steps on (no mask is built)
+        assert got["served_attention"].endswith("hf.attention.m3_sparse_attention")
     assert got["errors"] == [None, None]
     assert got["generated"] == [reference(model, p, 8) for p in got["prompts"]]
 
@@ -227,44 +277,119 @@ def test_hub_string(checkpoint, model, suffix):
 # ---------------------------------------------------------------------------------------
 # the step layout against transformers' own bookkeeping
 # ---------------------------------------------------------------------------------------
-def manager_cache(num_blocks=12, block_size=32) -> PagedAttentionCache:
+HKV, HEAD_DIM, INDEX_DIM = 2, 16, 16  # model_utils.text_config's K/V heads, head dim, index head dim
+LAYERS = text_config().layer_types  # sparse, full, sparse
+
+
+def manager_cache(tokens_per_page=32, num_blocks=12) -> PagedAttentionCache:
+    """The cache the manager builds for the tiny text model under paged|m3_sparse (fp32, CPU)."""
     config = text_config()
     config._attn_implementation = serving.CB_IMPLEMENTATION
-    cfg = ContinuousBatchingConfig(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=64)
-    return PagedAttentionCache(
-        config, cfg, torch.device("cpu"), DistributedHelper(None, None), {}, dtype=torch.float32
+    cfg = page_config(
+        tokens_per_page, num_blocks=num_blocks, max_batch_tokens=64, max_blocks_per_request=8, max_memory_percent=0.5
     )
+    kwargs = dict(
+        config=config, continuous_batching_config=cfg, device=torch.device("cpu"),
+        distributed_helper=DistributedHelper(None, None), dtype=torch.float32,
+    )
+    if "tp_plan" in inspect.signature(PagedAttentionCache).parameters:  # transformers 5.17 takes the plan here
+        kwargs["tp_plan"] = {}
+    return PagedAttentionCache(**kwargs)
 
 
-def step_keywords(cache, requests, *, decode: bool, pad_to: int = 0, fake: int = 0) -> dict:
+def give_room(cache, rid: str, held: int, tokens: int) -> None:
+    """Allocate what request ``rid``, holding ``held`` tokens, needs for ``tokens`` more, with the
+    cache's own allocation call (5.17: blocks across its layer groups; 5.18: sectors and blocks
+    of every allocator, from a request state)."""
+    if not compat.CB_ALLOCATORS:
+        size = cache.block_size
+        assert cache.allocate_blocks(-(-(held + tokens) // size) - -(-held // size), rid, 0) is not None
+        return
+    state = RequestState(request_id=rid, initial_tokens=[])
+    state.position_offset = held
+    assert cache.can_store_request_tokens(state, tokens)
+
+
+def pools_of(cache):
+    return serving.cache_design.pools_of(cache)
+
+
+def step_keywords(cache, requests, *, decode: bool, pad_to: int = 0, fake: int = 0):
     """The keywords ContinuousBatchingIOs builds for ``requests`` [(id, past, new)]: the
-    varlen form (write / read indices) or the decode fast path (block table); ``pad_to``
-    query tokens and ``fake`` empty requests as with CUDA graphs."""
-    cu_q, cu_k, write, read = [0], [0], [[]], [[]]
-    table = torch.full((1, len(requests) + fake, 8), -1, dtype=torch.int32)
+    varlen form (write / read indices) or the decode fast path (block tables); ``pad_to``
+    query tokens and ``fake`` empty requests as with CUDA graphs. Also returns the read and
+    write indices of each layer group, unpadded."""
+    groups = len(pools_of(cache).groups)
+    cu_q, cu_k, write, read = [0], [0], [[] for _ in range(groups)], [[] for _ in range(groups)]
+    table = torch.full((groups, len(requests) + fake, 8), -1, dtype=torch.int32)
     for i, (rid, past, new) in enumerate(requests):
         cu_q.append(cu_q[-1] + new)
         cu_k.append(cu_k[-1] + past + new)
         cache.extend_read_and_write_indices(rid, past, new, read, write)
         cache.fill_block_table(rid, past, new, table[:, i])
     tokens = max(pad_to, cu_q[-1])
-    write[0] += [cache.write_trash_index] * (tokens - cu_q[-1])
+    padded_write = [w + [g.write_trash_index] * (tokens - cu_q[-1]) for w, g in zip(write, pools_of(cache).groups)]
     cu_q += [cu_q[-1]] * fake
     cu_k += [cu_k[-1]] * fake
     as_int = lambda v, dtype=torch.int32: torch.tensor(v, dtype=dtype)  # noqa: E731
     kwargs = dict(
-        cu_seq_lens_q=as_int(cu_q), cu_seq_lens_k=as_int(cu_k), max_seqlen_q=max(n for *_, n in requests),
-        max_seqlen_k=max(p + n for _, p, n in requests), cache=cache,
+        cu_seq_lens_q=as_int(cu_q), cu_seq_lens_k=as_int(cu_k), max_length_q=max(n for *_, n in requests),
+        max_length_k=max(p + n for _, p, n in requests), cache=cache,
     )
     if decode:
-        return dict(kwargs, block_table=table, write_index=[as_int([], torch.int64)], read_index=[as_int([], torch.int64)])
-    return dict(kwargs, block_table=None, write_index=[as_int(write[0], torch.int64)], read_index=[as_int(read[0], torch.int64)])
+        stale = [as_int([], torch.int64)] * groups
+        kwargs.update(block_table=table, write_index=stale, read_index=stale)
+    else:
+        kwargs.update(
+            block_table=None, write_index=[as_int(w, torch.int64) for w in padded_write],
+            read_index=[as_int(r, torch.int64) for r in read],
+        )
+    return kwargs, read, write
 
 
-def history_slots(step, req, length):
-    """The cache slots of request ``req``'s first ``length`` tokens, read through its page table."""
+def fill_random(cache, seed=0) -> None:
+    """Random values in every K, V and index-key slot of the cache."""
+    g = torch.Generator().manual_seed(seed)
+    if compat.CB_ALLOCATORS:
+        cache.cache_tensor.view(torch.float32).normal_(generator=g)
+        return
+    for t in cache.key_cache + cache.value_cache:
+        t.normal_(generator=g)
+    for layer, kind in enumerate(LAYERS):
+        if kind == serving.SPARSE_LAYER_TYPE:
+            pools_of(cache).groups[0].index_pool(layer, INDEX_DIM).normal_(generator=g)
+
+
+def slot_reads(cache, layer: int, slots: torch.Tensor):
+    """What the cache holds for ``layer`` at ``slots``: K and V ``[N, Hkv, D]`` as transformers
+    reads them (5.17: its ``key_cache`` / ``value_cache``; 5.18: the layer's allocator's
+    ``update`` with a read index), and the index keys ``[N, Di]`` of a sparse layer at the same
+    slots (None for a full-attention layer)."""
+    sparse = LAYERS[layer] == serving.SPARSE_LAYER_TYPE
+    if not compat.CB_ALLOCATORS:
+        _, j = cache.layer_index_to_group_indices[layer]
+        index_keys = pools_of(cache).groups[0].index_pool(layer, INDEX_DIM).reshape(-1, INDEX_DIM)
+        return cache.key_cache[j][slots], cache.value_cache[j][slots], index_keys[slots] if sparse else None
+    allocator = cache.layer_to_allocator[layer]
+    none = compat.cb_allocator_states(torch.zeros(0, HKV, HEAD_DIM))
+    keys, values = allocator.update(none, none, layer, slots, slots[:0])
+    return keys, values, allocator.read_index_keys(layer, slots) if sparse else None
+
+
+def kernel_reads(step, cache, layer: int, req: int, length: int):
+    """What the kernels read for request ``req``'s first ``length`` tokens of ``layer``: K, V
+    and (sparse layers) index keys through the step's page tables and the group's pools."""
+    pools = pools_of(cache)
+    g = pools.group_of(layer)
+    group, tables = pools.groups[g], step.groups[g]
     pos = torch.arange(length)
-    return step.block_tables[req, pos // step.page_size].long() * step.page_size + pos % step.page_size
+    page, slot = pos // step.page_size, pos % step.page_size
+    k_pool, v_pool = group.kv_pools(layer)
+    kv_pages = tables.kv_tables[req, page].long()
+    index_keys = None
+    if LAYERS[layer] == serving.SPARSE_LAYER_TYPE:
+        index_keys = group.index_pool(layer, INDEX_DIM)[tables.index_tables[req, page].long(), slot]
+    return k_pool[kv_pages, :, slot], v_pool[kv_pages, :, slot], index_keys
 
 
 def test_config_keeps_the_decode_fast_path():
@@ -272,23 +397,36 @@ def test_config_keeps_the_decode_fast_path():
     block table is what build_step reads) and no mask is needed (CUDA graphs by default on
     CUDA); explicit settings stay as given; other implementations resolve as before."""
     resolve = continuous_api.resolve_continuous_batching_config
+    # transformers passes the model's device from 5.21 (and warns without it).
+    device = {"device": torch.device("cpu")} if compat.transformers_at_least(5, 21) else {}
     config = text_config()
     config._attn_implementation = serving.CB_IMPLEMENTATION
-    resolved = resolve(config, ContinuousBatchingConfig(block_size=32), None, False)
+    resolved = resolve(config, page_config(32), None, False, **device)
     # Wide enough for the longest request the model takes.
     assert resolved.max_blocks_per_request * 32 >= config.max_position_embeddings
     assert resolved.use_cuda_graph == (torch.cuda.is_available(),) * 2
-    explicit = resolve(config, ContinuousBatchingConfig(max_blocks_per_request=0, use_cuda_graph=False), None, False)
+    explicit = resolve(config, ContinuousBatchingConfig(max_blocks_per_request=0, use_cuda_graph=False), None, False,
+                       **device)
     assert explicit.max_blocks_per_request == 0 and explicit.use_cuda_graph == (False, False)
-    config._attn_implementation = "paged|sdpa"
-    assert resolve(config, ContinuousBatchingConfig(block_size=32), None, False).max_blocks_per_request == 0
+    # Other implementations resolve as before (5.18 refuses M3's layer types for them there).
+    config._attn_implementation = "sdpa"
+
+    def outcome(fn):
+        try:
+            return fn(config, page_config(32), None, False, **device)
+        except ValueError as exc:
+            return str(exc)
+
+    assert outcome(resolve) == outcome(resolve.m3_sparse_original)
 
 
+@pytest.mark.skipif(compat.CB_ALLOCATORS, reason="transformers 5.17's cache (layer groups, the index keys in pools of "
+                    "their own); from 5.18 they are in the sparse allocator's pages: test_sparse_pages_hold_index_keys")
 def test_pool_sizing_counts_index_keys():
     """The manager's memory estimate of the pool, per token slot, grows by at least the
     sparse layers' index keys (2 sparse layers x 16 fp32 values here)."""
     config = text_config()
-    cfg = ContinuousBatchingConfig(block_size=32, max_memory_percent=0.5)
+    cfg = page_config(32, max_memory_percent=0.5)
     footprint = {}
     for impl in ("paged|sdpa", serving.CB_IMPLEMENTATION):
         config._attn_implementation = impl
@@ -298,69 +436,93 @@ def test_pool_sizing_counts_index_keys():
     assert 2 * 16 * 4 <= per_slot <= 2 * (2 * 16 * 4)
 
 
-def test_step_layout_matches_cache_indices():
-    cache = manager_cache()
-    # Block 0 and 1 to "a", 2 to "b", 3 to "a": a request's blocks need not be contiguous.
-    for rid, n in (("a", 2), ("b", 1), ("a", 1), ("c", 2)):
-        assert cache.allocate_blocks(n, rid, 0) is not None
-    requests = [("a", 70, 9), ("b", 0, 20), ("c", 40, 1)]
-    kwargs = step_keywords(cache, requests, decode=False)
-    step = serving.build_step(cache, kwargs, kwargs["write_index"][0].numel())
-    assert step.page_size == 32
-    read, write = [], []
-    for rid, past, new in requests:
-        cache.extend_read_and_write_indices(rid, past, new, [read], [write])
-    assert step.slots.tolist() == write
-    offsets = [0, 79, 99]
-    for r, (_, past, new) in enumerate(requests):
-        assert history_slots(step, r, past + new).tolist() == read[offsets[r]: offsets[r] + past + new]
-    assert step.kv_lens.tolist() == [79, 20, 41, 0]
-    assert step.cu_seqlens_q.tolist() == [0, 9, 29, 30, 30]
+@pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the allocators of transformers 5.18 and later; 5.17's cache: "
+                    "test_pool_sizing_counts_index_keys")
+def test_sparse_pages_hold_index_keys():
+    """From transformers 5.18 M3's sparse layers get their own allocator, whose page holds a
+    layer's K, V and index keys: the manager's sizing (bytes per block), forks and prefix
+    sharing count and carry the index keys with K/V. Its pages tile the cache tensor: adding 1
+    through every (layer, slot) of K, V and index keys turns every element to exactly 1."""
+    cache = manager_cache(32, num_blocks=6)
+    sparse = cache.cache_allocators[serving.SPARSE_LAYER_TYPE]
+    full = cache.cache_allocators["full_attention"]
+    assert (sparse.layer_indices, full.layer_indices) == ([0, 2], [1])
+    assert sparse.bytes_per_block == 2 * 32 * (2 * HKV * HEAD_DIM + INDEX_DIM) * 4  # two pages of K, V, index keys
+    assert full.bytes_per_block == 32 * 2 * HKV * HEAD_DIM * 4
+    flat = cache.cache_tensor.view(torch.float32)
+    flat.zero_()
+    blocks = cache.cache_tensor.numel() // sparse.bytes_per_block
+    slots = (torch.arange(blocks)[:, None] * sparse.block_physical_stride + torch.arange(32)).reshape(-1)
+    none = torch.zeros(0, HKV, HEAD_DIM)
+    for layer in sparse.layer_indices:
+        keys, values = sparse.update(none, none, layer, slots, slots[:0])
+        sparse.update(keys + 1, values + 1, layer, slots[:0], slots)
+        sparse.write_index_keys(layer, sparse.read_index_keys(layer, slots) + 1, slots)
+    assert torch.equal(flat, torch.ones_like(flat))
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_decode_fast_path_layout_matches_varlen(pad):
-    cache = manager_cache()
-    for rid, n in (("a", 3), ("b", 1), ("c", 2)):
-        assert cache.allocate_blocks(n, rid, 0) is not None
-    requests = [("a", 70, 1), ("b", 5, 1), ("c", 40, 1)]
-    varlen = step_keywords(cache, requests, decode=False)
-    padded = dict(pad_to=8, fake=2) if pad else {}
-    decode = step_keywords(cache, requests, decode=True, **padded)
-    tokens = 8 if pad else 3
-    a = serving.build_step(cache, varlen, 3)
-    b = serving.build_step(cache, decode, tokens)
-    assert b.slots[:3].tolist() == a.slots.tolist()
-    assert b.slots[3:].tolist() == [cache.write_trash_index] * (tokens - 3)
-    for r, (_, past, new) in enumerate(requests):
-        assert history_slots(b, r, past + new).tolist() == history_slots(a, r, past + new).tolist()
-    assert b.kv_lens.tolist() == [71, 6, 41] + [0] * (2 if pad else 0) + [0]
-    assert b.cu_seqlens_q[-1] == tokens
+@pytest.mark.parametrize("tokens_per_page", [32, 48], ids=["pages32", "pages48"])
+@pytest.mark.parametrize("path", ["varlen", "decode", "decode-padded"])
+def test_kernel_view_matches_cache_reads(tokens_per_page, path):
+    """Through the step's page tables and each layer group's pools, the kernels read exactly
+    what transformers' cache holds for every request (at its read index): K, V and the index
+    keys of every layer. The new tokens write to the slots of the write index (the decode fast
+    path passes none: they come from the block tables), padding tokens to the write trash. A
+    page of 48 tokens is three kernel pages of 16; a request's blocks need not be contiguous."""
+    size = tokens_per_page
+    cache = manager_cache(size)
+    for rid, held, blocks in (("a", 0, 2), ("b", 0, 1), ("a", 2, 1), ("c", 0, 2)):
+        give_room(cache, rid, held * size, blocks * size)
+    if path == "varlen":
+        requests = [("a", 2 * size + 6, 9), ("b", 0, 20), ("c", size + 8, 1)]
+    else:
+        requests = [("a", 2 * size + 14, 1), ("b", 5, 1), ("c", size + 8, 1)]
+    padding = dict(pad_to=8, fake=2) if path == "decode-padded" else {}
+    kwargs, read, write = step_keywords(cache, requests, decode=path != "varlen", **padding)
+    real = sum(n for *_, n in requests)
+    tokens = max(real, padding.get("pad_to", 0))
+    step = serving.build_step(cache, kwargs, tokens)
+    assert step.page_size == (32 if size == 32 else 16)
+    fake = padding.get("fake", 0)
+    assert step.kv_lens.tolist() == [p + n for _, p, n in requests] + [0] * (fake + 1)
+    assert step.cu_seqlens_q[-1] == tokens and step.max_seqlen_q == max(n for *_, n in requests)
+    pools = pools_of(cache)
+    for g, group in enumerate(pools.groups):
+        assert step.groups[g].slots.tolist() == write[g] + [group.write_trash_index] * (tokens - real)
+    fill_random(cache)
+    for layer in range(len(LAYERS)):
+        start = 0
+        for r, (_, past, new) in enumerate(requests):
+            slots = torch.tensor(read[pools.group_of(layer)][start: start + past + new])
+            start += past + new
+            for got, want in zip(kernel_reads(step, cache, layer, r, past + new), slot_reads(cache, layer, slots)):
+                assert (got is None) == (want is None)
+                assert got is None or torch.equal(got, want)
 
 
 def test_padding_tokens_leave_real_rows_alone():
     """A padded varlen step (CUDA graphs): the padding tokens belong to the trailing
     sequence with no key, and the real rows' selection and attention do not change."""
     cache = manager_cache()
-    for rid, n in (("a", 3), ("b", 1)):
-        assert cache.allocate_blocks(n, rid, 0) is not None
+    give_room(cache, "a", 0, 3 * 32)
+    give_room(cache, "b", 0, 32)
     requests = [("a", 60, 7), ("b", 0, 12)]
-    g = torch.Generator().manual_seed(5)
-    pool_k = torch.randn(cache.key_cache[0].shape[0] // 32, 2, 32, 16, generator=g)
-    pool_v, pool_i = torch.randn(pool_k.shape, generator=g), torch.randn(pool_k.shape[0], 32, 16, generator=g)
+    fill_random(cache, seed=5)
+    pools = pools_of(cache)
+    group = pools.groups[pools.group_of(0)]  # a sparse layer
+    pool_k, pool_v = group.kv_pools(0)
+    pool_i = group.index_pool(0, INDEX_DIM)
+    kernel = m3_hf_attention.load_kernel()
     outs = []
     for pad_to in (19, 32):
-        kwargs = step_keywords(cache, requests, decode=False, pad_to=pad_to)
+        kwargs, _, _ = step_keywords(cache, requests, decode=False, pad_to=pad_to)
         step = serving.build_step(cache, kwargs, pad_to)
-        q = torch.randn(pad_to, 8, 16, generator=torch.Generator().manual_seed(6))
-        iq = torch.randn(pad_to, 2, 16, generator=torch.Generator().manual_seed(7))
-        layout = dict(block_tables=step.block_tables, cu_seqlens_q=step.cu_seqlens_q, used_kv_lens=step.kv_lens)
-        sel = m3_hf_attention.load_kernel().index_topk(
-            iq, pool_i, topk=TOPK, block_size=BLOCK, max_seqlen_q=step.max_seqlen_q, **layout
-        )
-        out, _ = m3_hf_attention.load_kernel().sparse_attention(
-            q, pool_k, pool_v, sel, block_size=BLOCK, max_seqlen_q=step.max_seqlen_q, **layout
-        )
+        tables = step.groups[pools.group_of(0)]
+        q = torch.randn(pad_to, 8, HEAD_DIM, generator=torch.Generator().manual_seed(6))
+        iq = torch.randn(pad_to, 2, INDEX_DIM, generator=torch.Generator().manual_seed(7))
+        lengths = dict(cu_seqlens_q=step.cu_seqlens_q, used_kv_lens=step.kv_lens, max_seqlen_q=step.max_seqlen_q)
+        sel = kernel.index_topk(iq, pool_i, tables.index_tables, topk=TOPK, block_size=BLOCK, **lengths)
+        out, _ = kernel.sparse_attention(q, pool_k, pool_v, sel, tables.kv_tables, block_size=BLOCK, **lengths)
         assert bool((sel[19:] == -1).all()) and bool((out[19:] == 0).all())
         outs.append((sel[:19], out[:19]))
     assert torch.equal(outs[0][0], outs[1][0])

@@ -285,6 +285,11 @@ def m3_sparse_attention(
     :class:`M3PagedCache`, passed by :func:`attention_forward`) or contiguous
     ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
     """
+    if kwargs.get("m3_serving_layer") is not None:
+        # A continuous-batching step under the model's own name (transformers 5.24+).
+        return serving.paged_m3_sparse_attention(
+            module, query, key, value, attention_mask, dropout, scaling, block_indices, **kwargs
+        )
     if dropout and module.training:
         raise ValueError("m3_sparse: attention dropout is not supported (inference kernels)")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -365,9 +370,9 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     cache = compat.pop_cache(args, kwargs)
     if isinstance(cache, M3PagedCache):
         kwargs["m3_paged_layer"] = cache.layer_for(self.layer_idx, self.config, self.indexer is not None)
-    elif serving.uses_paged_m3_sparse(self.config):
+    elif (layer := serving.serving_layer(self, cache, kwargs, hidden_states.shape[1])) is not None:
         # Continuous batching: the step's serving layer writes K/V and index keys into the manager's cache.
-        cache = kwargs["m3_serving_layer"] = serving.layer_for(self, kwargs, hidden_states.shape[1])
+        cache = kwargs["m3_serving_layer"] = layer
     return _ORIGINAL_ATTENTION_FORWARD(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
 

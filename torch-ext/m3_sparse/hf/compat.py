@@ -30,17 +30,22 @@ CACHE_KEYWORD = "cache" if transformers_at_least(5, 24) else "past_key_values"
 
 def pop_cache(args: tuple, kwargs: dict):
     """The cache of an attention module's call, taken out of what the caller passed after the
-    attention mask: positionally (``args[0]``) or by keyword, under either name (5.24+ still
-    accepts ``past_key_values``). ``kwargs`` loses the keyword; the caller passes the cache on
-    positionally, which every release reads the same way."""
+    attention mask: positionally (``args[0]``) or by keyword. From 5.24 the module's cache is
+    ``cache`` (``past_key_values`` still accepted); up to 5.23 it is ``past_key_values``, and a
+    ``cache`` keyword is the continuous-batching manager's, which transformers' paged attention
+    functions read from the keywords: it stays there. ``kwargs`` loses the module's keyword; the
+    caller passes the cache on positionally, which every release reads the same way."""
     if len(args) > 1:
         raise TypeError(f"attention forward: expected at most one positional argument after the mask, got {len(args)}")
     cache = args[0] if args else None
     for name in ("cache", "past_key_values"):
-        if name in kwargs:
+        if name == "cache" and CACHE_KEYWORD != "cache":
+            continue
+        value = kwargs.pop(name, None)
+        if value is not None:
             if cache is not None:
-                raise TypeError(f"attention forward: got the cache twice (positionally or as {name!r})")
-            cache = kwargs.pop(name)
+                raise TypeError(f"attention forward: got the cache twice (positionally and as {name!r})")
+            cache = value
     return cache
 
 
