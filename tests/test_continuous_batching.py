@@ -151,12 +151,7 @@ def test_requests_join_mid_run(model, steps):
             assert time.monotonic() < deadline, "the first request produced no tokens"
         for i, p in enumerate(later):
             manager.add_request(p, request_id=f"later{i}", max_new_tokens=NEW_TOKENS)
-        results = {}
-        while len(results) < 3:
-            out = manager.get_result(timeout=60)
-            assert out is not None, "no result within 60 s"
-            if out.is_finished():
-                results[out.request_id] = out
+        results = finished_results(manager, 3)
     finally:
         manager.stop(block=True, timeout=30)
     assert [results[k].error for k in results] == [None] * 3
@@ -165,6 +160,17 @@ def test_requests_join_mid_run(model, steps):
         assert results[f"later{i}"].generated_tokens == reference(model, p)
     # The later requests were prefilled beside the first one's decode rows.
     assert any(1 in qs and max(qs) > 1 and len(qs) > 1 for qs, _, _ in steps)
+
+
+def finished_results(manager, count: int) -> dict:
+    """The manager's next ``count`` finished results, by request id (60 s at most for each)."""
+    results = {}
+    while len(results) < count:
+        out = manager.get_result(timeout=60)
+        assert out is not None, "no result within 60 s"
+        if out.is_finished():
+            results[out.request_id] = out
+    return results
 
 
 def test_prefix_cache_reuses_index_keys(model, steps):
@@ -203,12 +209,7 @@ def test_forked_requests_keep_their_index_keys(model):
     manager.start()
     try:
         manager.add_request(prompt, request_id="r", max_new_tokens=NEW_TOKENS)
-        results = {}
-        while len(results) < 2:
-            out = manager.get_result(timeout=60)
-            assert out is not None, "no result within 60 s"
-            if out.is_finished():
-                results[out.request_id] = out
+        results = finished_results(manager, 2)
     finally:
         manager.stop(block=True, timeout=30)
     assert len(results) == 2 and [r.error for r in results.values()] == [None, None]
