@@ -16,21 +16,47 @@
 # TEST_TIMEOUT (s, default 480),
 # STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default: the CPU count, as most of a GPU test's
 # time is Triton compiling on the host; needs pytest-xdist).
+#
+# CAPABILITY=<major>.<minor> (for example 8.0 or 8.9) runs everything acting as a GPU of that
+# compute capability: it sets M3_SPARSE_CAPABILITY, the test-only override that the package's
+# capability helper (torch-ext/m3_sparse/core/launch.py) answers instead of the GPU, so the code
+# paths of that GPU (no Gluon, no TMA, no flash-attn-4; below 8.9 no fp8) run on the real one.
+# Triton still compiles for the real GPU: act only as an older one. The tests load
+# tests/kernels/capability_plugin.py, which reports a test the acted GPU refuses (fp8 below
+# sm_89) as skipped with the refusal. Logs go to $OUT/gpu_check/sm_80/ (and so on), so runs
+# as different GPUs keep their own; the summary's last line names the capability.
+#
+#   CAPABILITY=8.0 bash scripts/gpu_check.sh    # the GPU suite as an A100 would run it
+#   CAPABILITY=8.9 bash scripts/gpu_check.sh    # ... as an L40S / RTX 40xx would
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}/gpu_check"
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 PY="${PYTHON:-python3}"
+acting=()
+CAPABILITY="${CAPABILITY:-${M3_SPARSE_CAPABILITY:-}}"  # the override set by hand counts too
+if [[ -n "$CAPABILITY" ]]; then
+    if [[ ! "$CAPABILITY" =~ ^[0-9]+\.[0-9]+$ ]]; then
+        echo "gpu_check: CAPABILITY must be a compute capability as major.minor (8.0, 8.9), not '$CAPABILITY'" >&2
+        exit 2
+    fi
+    export M3_SPARSE_CAPABILITY="$CAPABILITY"
+    export PYTHONPATH="$PWD/tests/kernels:$PYTHONPATH"
+    acting=(-p capability_plugin)
+    OUT="$OUT/sm_${CAPABILITY/./}"
+fi
+mkdir -p "$OUT"
 
 if [[ -d .whl ]]; then
     "$PY" -m pip install -q --no-index --find-links .whl kernels hypothesis >"$OUT/pip.log" 2>&1 \
         || echo "gpu_check: installing from .whl failed (see pip.log)" >&2
 fi
 "$PY" - <<'EOF' | tee "$OUT/versions.txt"
-import torch, triton, transformers
+import os, torch, triton, transformers
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | transformers {transformers.__version__}")
+acting = os.environ.get("M3_SPARSE_CAPABILITY")
+acting = f" | acting as compute capability {acting}" if acting else ""
+print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | transformers {transformers.__version__}{acting}")
 EOF
 
 summary=()
@@ -66,7 +92,8 @@ workers=()
 n_workers=${PYTEST_WORKERS:-$(nproc)}
 [[ "$n_workers" != 0 ]] && workers=(-n "$n_workers")
 read -ra test_args <<<"${TEST_ARGS:--m gpu tests}"
-run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rfE --tb=short "${test_args[@]}"
+run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider ${acting[@]+"${acting[@]}"} \
+    "${workers[@]}" -rfE --tb=short "${test_args[@]}"
 
 for spec in "$@"; do
     name=${spec%%:*}
@@ -86,4 +113,5 @@ echo
 echo "| step | result | time | last line |"
 echo "|---|---|---|---|"
 printf '%s\n' "${summary[@]}"
+[[ -n "$CAPABILITY" ]] && echo "(acting as compute capability $CAPABILITY: M3_SPARSE_CAPABILITY=$CAPABILITY)"
 exit "$status"

@@ -423,9 +423,12 @@ def gluon_expected() -> bool:
     """Whether this machine should run the Gluon (sm_90) kernels: a Hopper GPU with the Triton
     they are written for (the H200 of docs/PERF.md)."""
     from m3_sparse.core import gluon
+    from m3_sparse.core.launch import device_capability
 
+    # The capability dispatch sees: M3_SPARSE_CAPABILITY when the suite acts as another GPU.
     return (
-        torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+        torch.cuda.is_available() and torch.version.hip is None
+        and device_capability(torch.cuda.current_device()) == (9, 0)
         and gluon.triton_version().startswith(gluon.TESTED_TRITON)
     )  # fmt: skip
 

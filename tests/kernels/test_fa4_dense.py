@@ -44,7 +44,9 @@ RAGGED = [(37, 5), (21, 21), (23, 1), (32, 1), (0, 0), (3, 7), (70, 0), (130, 2)
 def _fa4_ready() -> str | None:
     if not HAS_CUDA:
         return "needs a CUDA device"
-    if torch.cuda.get_device_capability()[0] not in attention_fa4.ARCHS:
+    from m3_sparse.core.launch import device_capability  # M3_SPARSE_CAPABILITY when acting as another GPU
+
+    if device_capability(torch.cuda.current_device())[0] not in attention_fa4.ARCHS:
         return "flash-attn-4 runs on sm_90 / sm_100 here"
     if attention_fa4.varlen_function() is None:
         return "flash-attn-4 is not installed"

@@ -132,6 +132,14 @@ def test_matches_the_oracle(op, impl, causal, fp8_q, monkeypatch):
     assert_close("lse", ref_lse, lse, fp8_lse_tol(qkv[0], impl))
 
 
+# Query rows per slice in the sliced run: 40 rows' e4m3 partials (Hkv * topk entries of G rows
+# of D one-byte values, plus fp32 m and l, at problem()'s shapes with topk = 3). SEQS' 382 rows
+# run in 10 slices, which end inside sequences and span the ends of sequences. (Each slice
+# launches every stage: in the interpreter, slices of a few rows cost minutes.)
+SLICE_ROWS = 40
+SLICE_BUDGET = SLICE_ROWS * 2 * 3 * (8 // 2) * (32 + 8)
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_slices_fp16_output_and_tensor_scales(impl, monkeypatch):
     # A workspace budget small enough that the rows run in slices (the budget counts one
@@ -139,8 +147,12 @@ def test_slices_fp16_output_and_tensor_scales(impl, monkeypatch):
     batch, sel, qkv, scales = problem(51, page_size=64, topk=3)
     t_scales = tuple(torch.tensor([s], device=DEVICE) for s in scales)
     stored = partial_dtypes(monkeypatch)
-    out, lse = run_op(batch, sel, qkv, t_scales, impl, monkeypatch, out_dtype=torch.float16, max_workspace_bytes=4096)
+    out, lse = run_op(
+        batch, sel, qkv, t_scales, impl, monkeypatch, out_dtype=torch.float16, max_workspace_bytes=SLICE_BUDGET
+    )
     assert len(stored) > 1 and set(stored) == {FP8}, f"partials of the slices stored as {stored}"
+    # Were the budget read as two bytes a value, twice the slices would run.
+    assert len(stored) == -(-batch.num_tokens // SLICE_ROWS), f"{batch.num_tokens} rows ran in {len(stored)} slices"
     ref_o, ref_lse = oracle(batch, sel, qkv, scales)
     assert_close("out", ref_o, out, PARTIAL_TOL)
     assert_close("lse", ref_lse, lse, fp8_lse_tol(qkv[0], impl))

@@ -1,230 +1,123 @@
-"""Every Triton kernel of the package compiles for the GPU, without one: Triton's
-ahead-of-time compiler lowers each kernel for Hopper (sm_90) and Blackwell (sm_100) from a
-signature, down to PTX, on the CPU. The interpreter runs the kernels' semantics in CI; this
-catches what only the GPU compiler rejects (types, layouts, MMA shapes such as an fp8 dot's
-depth). The decode kernel's variants are also compiled in test_triton_decode.py (sm_90, with
-a check that its K/V loads are software-pipelined).
+"""Every Triton kernel the package launches compiles for every GPU it serves, without one.
 
-Each configuration is the one the launcher picks for M3 (or a named edge), with pointer
-types as the launcher passes them.
+``gpu_targets.py`` runs the public ops, for one GPU at a time, with the capability override
+set to that GPU's and tensors that only say they live on a GPU, and catches each
+kernel launch on its way there: dispatch and the launchers decide which kernels and
+variants (dtypes, tiles, constants) a GPU gets, so a new kernel or variant is covered as soon
+as an op launches it. Then Triton compiles each distinct launch for the target through its
+own launch path (the JIT's specialization of the launcher's arguments, its front end, its
+GPU passes and ptxas, which the interpreter never runs), stopped before the launch. This
+catches what only the GPU compiler rejects (types, layouts, MMA shapes such as an fp8 dot's
+depth) and a kernel that would need more shared memory than the GPU lets one block have (it
+would fail to load there).
+
+Targets: sm_80 (which also compiles what the ops launch acting as sm_86 / sm_87: Triton
+generates the same code for them, but sm_86 has 99 KB of shared memory to sm_80's 163 KB, so
+the plans may choose smaller tiles there), sm_89, sm_90 (sm_90a: the Gluon kernels, with the
+Triton release they are written for), sm_100 (and sm_103) and sm_120 (and sm_121).
+fp8 calls run from sm_89 on and are refused below it; the Gluon kernels run on sm_90 only.
+The decode kernel's variants are also compiled in test_triton_decode.py (sm_90, with a check
+that its K/V loads are software-pipelined).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+import gpu_targets
 from kernel_test_utils import aot_compile
+from m3_sparse.core import launch
+from m3_sparse.dense import attention_fa4
 
-SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-arch, shard, shards = (int(x) for x in sys.argv[2:5])
-import triton
-import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from m3_sparse.core import split_merge
-from m3_sparse.kvouter import combine_triton as tcomb
-from m3_sparse.decode import attention_triton as tdec
-from m3_sparse.dense import attention_triton as tda
-from m3_sparse.dense import plan as dplan
-from m3_sparse.index import topk_triton as tix
-from m3_sparse.index import plan as iplan
-from m3_sparse.kvouter import partials_triton as tkv
-from m3_sparse.kvouter import build_triton as tidx
-from m3_sparse.kvouter import schedule_triton as tsched
-
-FLOATS = {"qk_scale"}
-
-def build(kernel, constexprs, pointers, num_warps=4, num_stages=2):
-    names = list(kernel.arg_names)
-    missing = [n for n in names if n.isupper() and n not in constexprs]
-    if missing:
-        raise ValueError(f"constexprs not given: {missing}")
-    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in FLOATS else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if pointers.get(n, "").startswith("*")}
-    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-
-I32 = "*i32"
-
-def index_builder(k, topk, chunk=None, key64=False):
-    cx = dict(C=chunk or 512 // topk, TK=topk, BB=2, UNROLL=topk <= tidx.UNROLL_TOPK)
-    if k is tidx._chunk_rank_kernel:
-        cx["KEY64"] = key64
-    ptrs = {"sel_ptr": I32, "cu_ptr": I32, "slot_ptr": I32, "cnt_ptr": I32, "tot_ptr": I32,
-            "seg_off_ptr": I32, "e_tok_ptr": I32, "e_rank_ptr": I32, "e_seg_ptr": I32}
-    if k is tidx._chunk_scan_kernel:
-        cx = dict(C=512 // topk, BB=2, BLK=tidx.SCAN_BLOCKS, U=tidx.SCAN_CHUNKS)
-    return build(k, cx, ptrs)
-
-def partials(dtype="bf16", kv="bf16", po="bf16", pv=None, **kw):
-    # pv: the dtype P @ V runs in (the partials' unless they are e4m3).
-    dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    cx = dict(G=16, GP=16, TQ=4, D=128, BD=128, BS=128, PS=64, CAUSAL=True, PREC=None,
-              FILL=64, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[pv or po], NORM=False)
-    cx.update(kw)
-    ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "entry_token_ptr", "seg_offsets_ptr", "tile_seg_ptr",
-                             "tile_start_ptr", "tile_end_ptr", "prog_tiles_ptr")}
-    ptrs.update(q_ptr="*" + dtype, k_ptr="*" + kv, v_ptr="*" + kv, po_ptr="*" + po, pm_ptr="*fp32", pl_ptr="*fp32",
-                scale_ptr="*fp32")
-    return build(tkv._kvouter_partials_kernel, cx, ptrs, num_warps=4, num_stages=2)
-
-def dense(dtype="bf16", kv="bf16", out="bf16", final=True, **kw):
-    dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    # The launcher's prefill tile for q's dtype.
-    block_m = dplan.default_block_m(tda.torch.float32 if dtype == "fp32" else tda.torch.bfloat16)
-    cx = dict(G=16, GP=16, TM=block_m // 16, D=128, BD=128, BN=dplan.BLOCK_N, PS=64, CAUSAL=True, RETURN_LSE=True,
-              SEARCH_STEPS=5, PREC=None, FINAL=final, Q_FP8=False, KV_FP8=False, WIDEN_K=False, PV_DT=dts[out],
-              HKV=4, TMA=True)
-    cx.update(kw)
-    ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr")}
-    ptrs.update(q_ptr="*" + dtype, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32")
-    # K/V tiles as TMA boxes of the caches seen as [rows, D]; without, the launcher passes the caches.
-    box = f"tensordesc<{kv}[{cx['BN']}, {cx['BD']}]>" if cx["TMA"] else "*" + kv
-    ptrs.update(k_desc=box, v_desc=box)
-    ptrs.update(o_ptr="*" + out if final else "*fp32", lse_ptr="*fp32", l_ptr="*" + out if final else "*fp32")
-    return build(tda._dense_paged_attn_kernel, cx, ptrs, num_warps=dplan.default_num_warps(cx["TM"] * cx["GP"], cx["BD"]))
-
-def index_topk(q="bf16", k="bf16", final=True, **kw):
-    cx = dict(H=4, D=128, BLOCK=128, PAGE=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15, KP=16, BM=iplan.PREFILL_BM,
-              BK=128, CH=128, TPB=1, NBT=1, SAME_PAGE=True, BATCH_P2=2, DOT_FP32=False, K_SCALE=False, FP8_DOT=False,
-              K_CAST=False, KEY_MAJOR=False, FINAL=final)
-    cx.update(kw)
-    ptrs = {n: I32 for n in ("bt_ptr", "cu_ptr", "kvlen_ptr", "out_ptr", "ws_id_ptr")}
-    ptrs.update(q_ptr="*" + q, k_ptr="*" + k, ks_ptr="*fp32" if cx["K_SCALE"] else "*" + k,
-                ws_val_ptr=I32 if final else "*fp32")
-    return build(tix._index_topk_kernel, cx, ptrs, num_warps=4, num_stages=2 if cx["BM"] >= 128 else 3)
-
-def decode(q="bf16", kv="bf16", final=False, **kw):
-    dts = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
-    cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=final,
-              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, Q_FP8=False, KV_FP8=False,
-              WIDEN_K=False, PV_DT=tl.bfloat16, MERGE=not final)
-    cx.update(kw)
-    ptrs = {n: I32 for n in ("sel_ptr", "bt_ptr", "cu_ptr", "kvlen_ptr", "cnt_ptr")}
-    ptrs.update(q_ptr="*" + q, k_ptr="*" + kv, v_ptr="*" + kv, scale_ptr="*fp32",
-                o_ptr="*bf16" if final else "*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
-    return build(tdec._decode_split_kernel, cx, ptrs, num_warps=4, num_stages=3)
-
-F8 = "fp8e4nv"
-cases = {
-    "index top-k prefill": lambda: index_topk(),
-    "index top-k decode split": lambda: index_topk(BM=16, final=False, BATCH_P2=64),
-    "index top-k fp8 keys, fp8 dot": lambda: index_topk(k=F8, K_SCALE=True, FP8_DOT=True),
-    "index top-k fp8 keys, per-tensor scale, fp8 dot": lambda: index_topk(k=F8, FP8_DOT=True),
-    "index top-k fp8 keys, per-tensor scale, widened": lambda: index_topk(k=F8, BM=16, K_CAST=True, final=False),
-    "index top-k fp8 keys, per-tensor scale, widened, key-major": lambda: index_topk(
-        k=F8, BM=16, K_CAST=True, final=False, KEY_MAJOR=True),
-    "index top-k fp8 keys, per-tensor scale, fp8 dot, key-major": lambda: index_topk(
-        k=F8, BM=16, FP8_DOT=True, final=False, KEY_MAJOR=True),
-    "index top-k fp8 keys, widened": lambda: index_topk(k=F8, BM=16, K_SCALE=True, K_CAST=True, final=False),
-    "index top-k decode, key-major": lambda: index_topk(BM=16, final=False, BATCH_P2=64, KEY_MAJOR=True),
-    "index top-k fp8 keys, widened, key-major": lambda: index_topk(k=F8, BM=16, K_SCALE=True, K_CAST=True, final=False,
-                                                                   KEY_MAJOR=True),
-    "index top-k fp8 keys, fp8 dot, key-major": lambda: index_topk(k=F8, BM=16, K_SCALE=True, FP8_DOT=True, final=False,
-                                                                   KEY_MAJOR=True),
-    "index merge": lambda: build(tix._merge_kernel, dict(H=4, BLOCK=128, TOPK=16, TOPK_P2=16, LOCAL=1, NKEEP=15,
-                                                          KP=16, NC=128, RB=8, BATCH_P2=64),
-                                 {"ws_val_ptr": "*fp32", "ws_id_ptr": I32, "out_ptr": I32, "cu_ptr": I32,
-                                  "kvlen_ptr": I32}),
-    "decode M3": lambda: decode(),
-    "decode M3, merge in a second kernel": lambda: decode(MERGE=False),
-    "decode fp8 q/K/V final": lambda: decode(F8, F8, final=True, Q_FP8=True, KV_FP8=True),
-    "split merge": lambda: build(split_merge._merge_splits_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
-                                    {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32",
-                                     "out_ptr": "*bf16", "lse_ptr": "*fp32"}),
-    "index rank topk16": lambda: index_builder(tidx._chunk_rank_kernel, 16),
-    "index rank topk32": lambda: index_builder(tidx._chunk_rank_kernel, 32),
-    "index rank, largest chunk": lambda: index_builder(tidx._chunk_rank_kernel, 16, tidx.MAX_CHUNK_ENTRIES // 16),
-    "index rank, slots looped at run time": lambda: index_builder(tidx._chunk_rank_kernel, 128),
-    "index rank, int64 sort keys": lambda: index_builder(tidx._chunk_rank_kernel, 16, key64=True),
-    "index scan": lambda: index_builder(tidx._chunk_scan_kernel, 16),
-    "index scatter": lambda: index_builder(tidx._scatter_kernel, 16),
-    "index scatter, slots looped at run time": lambda: index_builder(tidx._scatter_kernel, 128),
-    "scheduler": lambda: build(tsched._emit_tiles_kernel, dict(BT=128, BP=1024),
-                               {n: I32 for n in ("seg_off_ptr", "tile_base_ptr", "tile_seg_ptr", "tile_start_ptr",
-                                                 "tile_end_ptr", "num_tiles_ptr", "prog_ptr")}),
-    "partials M3 bf16": lambda: partials(),
-    "partials fp16 G3": lambda: partials("fp16", "fp16", "fp16", G=3, GP=4, TQ=16, D=64, BD=64, BS=64,
-                                         PS=16, CAUSAL=False),
-    "partials fp8 q/K/V": lambda: partials(F8, F8, "bf16", Q_FP8=True, KV_FP8=True),
-    "partials fp8 K/V, bf16 q": lambda: partials("bf16", F8, "bf16", KV_FP8=True, WIDEN_K=True),
-    "partials fp8 q/K/V D16 (padded tile)": lambda: partials(F8, F8, "fp16", D=16, BD=32, Q_FP8=True, KV_FP8=True),
-    "partials fp8 K/V, fp32 q": lambda: partials("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
-    "partials fp8 q/K/V, e4m3 partials": lambda: partials(F8, F8, F8, pv="bf16", Q_FP8=True, KV_FP8=True, NORM=True),
-    "combine": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1, RETURN_LSE=True,
-                                                         NORM=False, SCALE=False),
-                             {"po_ptr": "*bf16", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
-                              "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_ptr": "*fp32"}),
-    "combine, e4m3 partials": lambda: build(tcomb._combine_kernel, dict(G=16, GP=16, TOPK=16, D=128, BD=128, BT=1,
-                                                                        RETURN_LSE=False, NORM=True, SCALE=True),
-                                            {"po_ptr": "*" + F8, "pm_ptr": "*fp32", "pl_ptr": "*fp32", "slot_ptr": I32,
-                                             "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_ptr": "*fp32"}),
-    "dense prefill": lambda: dense(),
-    "dense prefill, gathered K/V": lambda: dense(TMA=False),
-    "dense decode split": lambda: dense(TM=1, final=False),
-    "dense fp8 K/V split": lambda: dense("bf16", F8, TM=1, final=False, KV_FP8=True, WIDEN_K=True),
-    "dense fp8 q/K/V": lambda: dense(F8, F8, Q_FP8=True, KV_FP8=True),
-    "dense fp8 K/V, fp32 q": lambda: dense("fp32", F8, "fp32", PREC="ieee", KV_FP8=True, WIDEN_K=True),
-}
-def gluon_index(kdt, page, k_scale=False, topk=16, local=1):
-    # Hopper only (wgmma): compiled for sm_90 alone.
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from m3_sparse.index import topk_gluon_sm90 as gi
-    fn = gi._index_topk_tma_kernel
-    names = fn.arg_names
-    bits = 8 if kdt == F8 else 16
-    lay = f"NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth={bits}, rank=2)"
-    pb = min(128, page)
-    k_box = f"tensordesc<{kdt}[{pb}, 128],{lay}>"
-    s_box = "tensordesc<fp32[1, 128],NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)>"
-    sig = {"q_ptr": "*bf16", "k_desc": k_box, "ks_desc": s_box if k_scale else k_box, "bt_ptr": I32, "cu_ptr": I32,
-           "kvlen_ptr": I32, "out_ptr": I32, "stride_bt": "i32", "batch": "i32"}
-    nkeep, kp, topk_p2 = gi.list_widths(topk, local)
-    cx = dict(H=4, D=128, BLOCK=128, PAGE=page, PB=pb, TOPK=topk, TOPK_P2=topk_p2, LOCAL=local, NKEEP=nkeep, KP=kp,
-              BM=gi.BM, FP8_DOT=kdt == F8, NS=gi.STAGES, K_SCALE=k_scale)
-    full = {n: "constexpr" if n in cx else sig[n] for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    src = GluonASTSource(fn, full, {(names.index(k),): v for k, v in cx.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": gi.NUM_WARPS})
+SCRIPT = f"import runpy; runpy.run_path({str(Path(gpu_targets.__file__).resolve())!r}, run_name='__main__')"
+ARCHS = sorted(gpu_targets.TARGETS)
+# The compiles of one target run in a few shards, each in its own interpreter, so that
+# pytest-xdist can spread them over its workers.
+SHARDS = 2
 
 
-from m3_sparse.index import topk_gluon_sm90 as _gi
-# Gluon's API moves between Triton releases: the kernel is compiled by the release it names.
-if arch == 90 and _gi.HAVE_GLUON and triton.__version__.startswith(_gi.TESTED_TRITON):
-    cases["gluon index prefill, fp8 keys, page 128"] = lambda: gluon_index(F8, 128)
-    cases["gluon index prefill, bf16 keys, page 64"] = lambda: gluon_index("bf16", 64)
-    cases["gluon index prefill, fp8 keys with per-token scales"] = lambda: gluon_index(F8, 128, k_scale=True)
-    # Kept lists shorter than the MMA's 8-column tile (top-4, two local blocks).
-    cases["gluon index prefill, top-4 with two local blocks"] = lambda: gluon_index("bf16", 128, topk=4, local=2)
-res = {}
-for i, (name, make) in enumerate(cases.items()):
-    if i % shards != shard:
-        continue
-    try:
-        make()
-        res[name] = {"ok": True}
-    except Exception as e:
-        res[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1500]}
-print("RESULT " + json.dumps({"cases": len(cases), "results": res}))
-"""
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    """What the ops launch on every target (no compiling): one interpreter for all."""
+    return aot_compile(SCRIPT, "record", *map(str, ARCHS))
 
 
-# The cases compile in a few shards, each in its own interpreter, so that pytest-xdist can
-# spread one architecture's compiles over several workers (in one interpreter, sm_90 took
-# three minutes on the H200 machine's host).
-SHARDS = 4
+def _calls(recorded: dict, arch: int) -> dict:
+    return recorded["targets"][str(arch)]["calls"]
+
+
+def test_dispatch_launches_every_kernel_of_the_package(recorded):
+    """Each Triton kernel the package defines (those no other Triton function names) is
+    launched by some op on some target: the compile test below cannot miss one. The Gluon
+    kernels run only with the Triton release they are written for."""
+    defined = {f"{module}.{name}" for module, names in recorded["kernels"].items() for name in names}
+    assert len(defined) >= 15, sorted(defined)
+    launched = set().union(*(set(t["launched"]) for t in recorded["targets"].values()))
+    missing = defined - launched
+    if recorded["targets"]["90"]["gluon_reason"] is not None:
+        gluon = {k for k in missing if "_gluon_" in k}
+        assert gluon == {k for k in defined if "_gluon_" in k}, sorted(gluon)
+        missing -= gluon
+    assert not missing, f"kernels no op launches on any target (add a call to gpu_targets.calls()): {sorted(missing)}"
+    assert not launched - defined, sorted(launched - defined)
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm{a}" for a in ARCHS])
+def test_each_gpu_gets_the_kernels_it_has(recorded, arch):
+    """Per target: fp8 calls are refused below sm_89 (an UnsupportedGPUError that names the
+    GPU), pinned Gluon calls off sm_90 or with another Triton (the pin's ValueError), the tl
+    KV-outer kernel pinned on a block too big for a GPU's shared memory there only, and
+    everything else runs; dense key tiles are TMA boxes from sm_90 on; flash-attn-4 (its
+    page-tail kernel) runs on sm_90 / sm_100 only."""
+    target = gpu_targets.TARGETS[arch]
+    fp8 = target.capability >= launch.FP8_CAPABILITY
+    gluon_reason = recorded["targets"][str(arch)]["gluon_reason"]
+    calls = _calls(recorded, arch)
+    assert len(calls) >= 45
+    for name, call in calls.items():
+        if call["fp8"] and not fp8:
+            assert call.get("error_type") == "UnsupportedGPUError", (name, call)
+            assert "compute capability 8.9 or newer" in call["refused"] and f"sm_{arch} " in call["refused"], name
+        elif call["gluon"] and gluon_reason is not None:
+            assert call.get("error_type") == "ValueError" and "engine='tma'" in call["refused"], (name, call)
+            assert gluon_reason in call["refused"], (name, call["refused"])
+        elif call["smem"] and "refused" in call:  # the tl KV-outer kernel pinned on a block too big for the GPU
+            assert call["error_type"] == "ValueError" and "resident in shared memory" in call["refused"], (name, call)
+            assert launch.shared_memory_per_block(target.capability) < launch.shared_memory_per_block((9, 0)), name
+        else:
+            assert "refused" not in call, (name, call["refused"])
+            if call["gluon"]:
+                assert any("_tma_kernel(" in k for k in call["kernels"]), (name, call["kernels"])
+            launched_fp8 = any("float8_e4m3fn" in k for k in call["kernels"])
+            assert launched_fp8 <= fp8, (name, call["kernels"])
+    assert calls["dense long prefill"]["tma"] == (target.capability >= launch.TMA_CAPABILITY)
+    assert not calls["dense prefill, gathered K/V"]["tma"]
+    fa4 = calls["dense prefill, flash-attn-4 installed (its page tails)"]["kernels"]
+    if target.capability[0] in attention_fa4.ARCHS:
+        assert [k.split("(")[0] for k in fa4] == ["_clear_page_tails_kernel"]
+    else:
+        assert all(k.startswith(("_dense_paged_attn_kernel(", "_merge_splits_kernel(")) for k in fa4), fa4
+    if gluon_reason is None:  # sm_90 with the Gluon release: M3's prefill partials run the Gluon kernel
+        assert any(k.startswith("_kvouter_partials_tma_kernel(") for k in calls["sparse prefill (KV-outer)"]["kernels"])
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
-@pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm{a}" for a in ARCHS])
 def test_kernels_compile_for_the_gpu(arch, shard):
-    out = aot_compile(SCRIPT, str(arch), str(shard), str(SHARDS))
-    res, total = out["results"], out["cases"]
-    bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
+    out = aot_compile(SCRIPT, "compile", str(arch), str(shard), str(SHARDS))
+    compiled, total = out["compiled"], out["distinct"]
+    assert total >= 30, total
+    assert len(compiled) == len(range(shard, total, SHARDS)), [c["launch"] for c in compiled]
+    bad = {c["launch"]: c["error"] for c in compiled if not c["ok"]}
     assert not bad, f"kernels that do not compile for sm_{arch}: {json.dumps(bad, indent=1)}"
-    assert total >= 40, total
-    assert len(res) == len(range(shard, total, SHARDS)), sorted(res)
+    # Each launch within the shared memory a block may use on every GPU that launches it.
+    over = {}
+    for c in compiled:
+        for cap in c["capabilities"]:
+            limit = launch.shared_memory_per_block(launch.parse_capability(cap))
+            if c["shared"] > limit:
+                over[f"{c['launch']} on {cap}"] = f"{c['shared']} bytes of {limit}"
+    assert not over, f"kernels over the shared memory a block may use: {json.dumps(over, indent=1)}"
