@@ -38,6 +38,7 @@ from .api import (
     DenseConfig,
     IndexConfig,
     KVOuterConfig,
+    UnsupportedGPUError,
     dense_paged_attention,
     dense_paged_attention_kernel,
     index_prep,
@@ -79,6 +80,7 @@ def __getattr__(name: str):
 # supports_flash_attn, m3_sparse_attention) and M3PagedCache; all but
 # supports_flash_attn are served by __getattr__ above and import transformers on use.
 __all__ = [
+    "UnsupportedGPUError",
     "DecodeConfig",
     "DenseConfig",
     "IndexConfig",
