@@ -433,6 +433,16 @@ def gluon_expected() -> bool:
     )  # fmt: skip
 
 
+def skip_unless_tma() -> None:
+    """For a test that pins TMA key tiles (``use_tma=True``) or expects them: skipped where the
+    GPU dispatch sees has no TMA (below sm_90; acting as an older GPU through
+    M3_SPARSE_CAPABILITY), which refuses the pin. The CPU's interpreter runs the TMA path."""
+    from m3_sparse.core.launch import TMA_CAPABILITY, device_capability
+
+    if torch.cuda.is_available() and device_capability(torch.cuda.current_device()) < TMA_CAPABILITY:
+        pytest.skip("TMA key tiles need sm_90 or newer")
+
+
 def require_gluon(why: str | None, what: str) -> None:
     """For a GPU test of a Gluon kernel that refuses its call for reason ``why`` (None: it takes
     it): skip with the reason on a machine it is not written for, fail on one it is."""

@@ -18,7 +18,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import m3_sparse  # noqa: E402
-from kernel_test_utils import gen, randn  # noqa: E402
+from kernel_test_utils import gen, randn, skip_unless_tma  # noqa: E402
 from m3_sparse.core import launch  # noqa: E402
 from m3_sparse.decode.plan import DecodeConfig  # noqa: E402
 from m3_sparse.dense.plan import DenseConfig  # noqa: E402
@@ -188,6 +188,7 @@ def test_direct_dense_launches_match_triton_launches(monkeypatch, splits):
     from m3_sparse.core import split_merge
     from m3_sparse.dense import attention_triton
 
+    skip_unless_tma()
     call, cfg = _dense_call(2, splits)
     first = m3_sparse.dense_paged_attention(**call, config=cfg)
     again = m3_sparse.dense_paged_attention(**call, config=cfg)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import m3_sparse
-from kernel_test_utils import gen, make_batch, randn, random_selection
+from kernel_test_utils import gen, make_batch, randn, random_selection, skip_unless_tma
 from m3_sparse.decode.plan import DecodeConfig
 from m3_sparse.dense.plan import DenseConfig
 from m3_sparse.index.plan import IndexConfig
@@ -114,6 +114,8 @@ DENSE_CONFIGS = {
 @pytest.mark.parametrize("config", DENSE_CONFIGS.values(), ids=DENSE_CONFIGS.keys())
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_dense_attention_plan_runs_like_the_op(impl, seqs, config, causal):
+    if config.use_tma:
+        skip_unless_tma()
     g = gen(15)
     batch = make_batch(g, seqs, PAGE)
     tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)

@@ -29,6 +29,7 @@ from kernel_test_utils import (  # noqa: E402
     make_batch,
     poisoned_allocations,
     randn,
+    skip_unless_tma,
 )
 import m3_sparse  # noqa: E402
 from m3_sparse.reference import dense_attention_ref  # noqa: E402
@@ -266,6 +267,8 @@ def test_m3_decode_key_splits_agree(page_size):
 @pytest.mark.parametrize("page_size,block_n,num_splits", [(64, 64, 1), (64, 16, 1), (32, 32, 3)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_tma_boxes_with_nan_slots(use_tma, page_size, block_n, num_splits, causal):
+    if use_tma:
+        skip_unless_tma()
     g = gen(page_size + block_n + num_splits + int(causal))
     batch = make_batch(g, RAGGED + [(150, 40)], page_size, pad=-1)
     q = randn(g, batch.num_tokens, 8, 32, dtype=torch.bfloat16)
@@ -282,6 +285,8 @@ def test_tma_boxes_with_nan_slots(use_tma, page_size, block_n, num_splits, causa
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_int64_metadata(use_tma, causal):
+    if use_tma:
+        skip_unless_tma()
     batch, q, k, v = _problem(11, [(150, 40), (1, 1), (66, 3)], 64, 8, 2, 32, torch.bfloat16)
     wide = dataclasses.replace(batch, **{n: getattr(batch, n).to(torch.int64)
                                           for n in ("block_tables", "cu_seqlens_q", "used_kv_lens")})
@@ -300,6 +305,7 @@ def test_tma_at_m3_shapes():
 
 
 def test_tma_required_but_unusable():
+    skip_unless_tma()
     batch, q, k, v = _problem(4, [(40, 5), (9, 9)], 16, 4, 2, 16, torch.bfloat16)
     with pytest.raises(ValueError, match=r"use_tma=True.*page_size \(16\) must be a multiple of block_n \(64\)"):
         _run(batch, q, k, v, True, use_tma=True)
@@ -337,6 +343,7 @@ def test_launch_keeps_descriptors_per_pool_and_loads_unaligned_pools_gathered():
     """A planned launch keeps the TMA descriptors of each pair of pools it ran on; pools at an
     address a TMA box cannot start from (same shapes and strides) run with gathered loads,
     unless TMA was required."""
+    skip_unless_tma()
     batch, q, k, v = _problem(21, [(150, 1), (40, 1)], 32, 8, 2, 32, torch.bfloat16)
     q, k, v = (x.to(DEVICE) for x in (q, k, v))
     call = dict(cu_seqlens_q=batch.cu_seqlens_q.to(DEVICE), used_kv_lens=batch.used_kv_lens.to(DEVICE),
