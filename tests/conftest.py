@@ -10,11 +10,19 @@ so ``pytest -m gpu`` is the GPU suite on a GPU machine and lists every GPU test 
 Device queries (capability, device count) belong in the test body or a fixture, never at
 import time, so that the tests stay collectable on a CPU. An unmarked test whose skip names
 CUDA or a GPU is an error: it would vanish from the GPU suite.
+
+The model, integration and hub tests also run on the oldest supported transformers, kernels
+and huggingface_hub: ``scripts/test.sh``'s second pass runs ``pytest -m both_ends`` there.
+This conftest gives the ``both_ends`` marker to every test except those of the modules in
+``NEWEST_ONLY`` and of ``tests/kernels/`` modules that import nothing of the range.
 """
 
+import ast
+import functools
 import os
 import re
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +61,49 @@ if not HAS_CUDA:
 # a test's own @settings overrides only what it names.
 settings.register_profile("m3", derandomize=True, database=None, deadline=None)
 settings.load_profile("m3")
+
+# What ties a test module to the transformers / kernels / huggingface_hub releases installed.
+RANGE_IMPORTS = ("transformers", "kernels", "kernels_data", "huggingface_hub", "m3_hf_attention", "model_utils", "m3_sparse.hf")
+# Test modules that run on the newest supported releases only, each with why it need not run
+# twice. They import none of RANGE_IMPORTS (tests/test_suite_rules.py checks).
+NEWEST_ONLY = {
+    "test_ci_scripts.py": "the test scripts' own logic, over a fake pip and pytest",
+    "test_docs.py": "the docs against docs/figures.json and their length limits",
+    "test_gpu_check.py": "scripts/gpu_check.sh's exit codes, over a throwaway suite",
+    "test_mutations.py": "the suite's power to catch planted bugs, which no release changes",
+    "test_suite_rules.py": "the rules of the suite itself",
+}
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def range_imports(source: str) -> list[str]:
+    """The entries of RANGE_IMPORTS that this source imports, at any depth (function bodies too)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return sorted({root for n in names for root in RANGE_IMPORTS if n == root or n.startswith(root + ".")})
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on_both_ends(path: Path) -> bool:
+    """Whether the tests of this module also run in the oldest pass (the ``both_ends`` marker):
+    every module but NEWEST_ONLY's, except that the ops' tests in tests/kernels/ run once
+    unless they import something of the range (one compares with transformers' own modules)."""
+    path = path.resolve()
+    if path.name in NEWEST_ONLY:
+        return False
+    if TESTS_DIR / "kernels" in path.parents:
+        return bool(range_imports(path.read_text()))
+    return True
+
+
+def pytest_itemcollected(item):
+    if runs_on_both_ends(item.path):
+        item.add_marker(pytest.mark.both_ends)
+
 
 NO_CUDA = "needs a CUDA device (marker gpu: run `pytest -m gpu` on a GPU machine)"
 # Skip reasons that say a test needs a GPU (or is too slow without one).

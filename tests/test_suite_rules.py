@@ -110,3 +110,30 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named():
     assert problem("3.6.0", "2.3.5") is None
     assert problem("3.7.0", "2.4.6") is None
     assert problem("3.9.0", "2.5.2") is None
+
+
+def test_the_import_scan_sees_nested_and_from_imports():
+    range_imports = _conftest_module().range_imports
+    source = "import torch\ndef f():\n    from transformers import AutoModel\nfrom m3_sparse import hf\nimport m3_sparse\n"
+    assert range_imports(source) == ["m3_sparse.hf", "transformers"]
+    assert range_imports("import m3_sparse\nfrom m3_sparse.api import index_topk\nimport kernels_test\n") == []
+
+
+def test_only_modules_that_touch_no_release_of_the_range_run_once():
+    """The oldest pass (``pytest -m both_ends``) leaves out NEWEST_ONLY and the tests/kernels/
+    modules that import nothing of the range; a module there that imported transformers,
+    kernels, huggingface_hub or the integration would never be tested on the oldest releases."""
+    conftest = _conftest_module()
+    newest_only = [TESTS / name for name in conftest.NEWEST_ONLY]
+    missing = [p.name for p in newest_only if not p.is_file()]
+    assert not missing, f"NEWEST_ONLY names modules that do not exist: {missing}"
+    bad = {p.name: found for p in newest_only if (found := conftest.range_imports(p.read_text()))}
+    assert not bad, f"NEWEST_ONLY modules import what the range changes (let them run on both ends): {bad}"
+    assert not any(conftest.runs_on_both_ends(p) for p in newest_only)
+    kernel_tests = sorted((TESTS / "kernels").glob("test_*.py"))
+    once = [p.name for p in kernel_tests if not conftest.runs_on_both_ends(p)]
+    assert len(once) > 20, "the scan found too few kernel test modules that run once"
+    # The index prep is checked against transformers' own modules, which changed between releases.
+    assert conftest.runs_on_both_ends(TESTS / "kernels" / "test_index_prep.py")
+    for name in ("test_model.py", "test_hub_string.py", "test_example.py", "test_continuous_batching.py"):
+        assert conftest.runs_on_both_ends(TESTS / name), name

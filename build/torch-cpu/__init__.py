@@ -38,6 +38,7 @@ from .api import (
     DenseConfig,
     IndexConfig,
     KVOuterConfig,
+    UnsupportedGPUError,
     dense_paged_attention,
     dense_paged_attention_kernel,
     index_prep,
@@ -73,7 +74,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# A literal list of strings: kernel-builder reads it from the source without importing
+# (the function list of its card), as do the public-API checks that version a kernel by it.
+# It holds transformers' entry points for a hub kernel (flash_attn_forward,
+# supports_flash_attn, m3_sparse_attention) and M3PagedCache; all but
+# supports_flash_attn are served by __getattr__ above and import transformers on use.
 __all__ = [
+    "UnsupportedGPUError",
     "DecodeConfig",
     "DenseConfig",
     "IndexConfig",
@@ -86,6 +93,7 @@ __all__ = [
     "combine",
     "dense_paged_attention",
     "dense_paged_attention_kernel",
+    "flash_attn_forward",
     "index_prep",
     "index_topk",
     "kvouter_attention",
@@ -99,4 +107,5 @@ __all__ = [
     "schedule",
     "sparse_attention",
     "sparse_decode_attention",
+    "supports_flash_attn",
 ]

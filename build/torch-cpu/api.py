@@ -23,6 +23,8 @@ import logging
 import torch
 
 from . import dispatch
+# Raised where a GPU cannot run a call (its compute capability); re-exported by the package.
+from .dispatch import UnsupportedGPUError  # noqa: F401
 from .core.args import AttnArgs, IndexArgs, tensor_meta
 from .core.layout import chunk_varlen, token_positions
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args

@@ -4,6 +4,13 @@
   ``M3_SPARSE_IMPL=torch`` / ``=triton`` (or a config's ``impl``) pins one; the Triton
   kernels run on the CPU only under ``TRITON_INTERPRET=1``. A pinned choice is never
   changed behind the caller's back: a call the kernel cannot take raises instead.
+* which GPUs: any CUDA GPU of compute capability 8.0 or newer runs the Triton ``tl``
+  kernels; the Gluon kernels run on sm_90 only, TMA key tiles from sm_90 on, fp8 inputs
+  (e4m3 caches, queries, partials, index keys, the fp8 dot) from sm_89 on, flash-attn-4 on
+  sm_90 / sm_100 (``dense/attention_fa4.py``). A GPU below 8.0, or fp8 inputs on an
+  sm_80 / sm_86 / sm_87, raise :class:`UnsupportedGPUError` unless the torch code is pinned
+  (``gpu_unsupported``). The capability comes from ``core.launch.device_capability``, which
+  ``M3_SPARSE_CAPABILITY`` overrides for tests.
 * the dense op's third kernel, flash-attn-4, wherever it is installed and takes the call
   (``dense_kernel``); ``M3_SPARSE_DENSE_IMPL`` (or ``DenseConfig.impl``) pins one of the
   three for that op alone.
@@ -23,7 +30,9 @@ import os
 import torch
 
 from .core.args import AttnArgs, IndexArgs
-from .core.launch import interpreting
+from .core.launch import (
+    FP8_CAPABILITY, MIN_CAPABILITY, device_capability, device_index, interpreting, shared_memory, sm_name,
+)
 from .decode import plan as decode_plan
 from .dense import attention_fa4 as dense_fa4
 from .dense import plan as dense_plan
@@ -47,16 +56,54 @@ def requested_impl(impl: str = "auto") -> str:
     return env
 
 
+class UnsupportedGPUError(RuntimeError):
+    """No kernel of this package runs the call on its GPU: compute capability below 8.0, or
+    fp8 inputs below 8.9. Raised unless the torch code is pinned (it runs anywhere, but on a
+    model far slower than the kernels: the automatic mode does not fall back to it)."""
+
+
+class GPURefusal(str):
+    """A reason from ``*_unsupported`` that no implementation but the torch code can take
+    the call on this GPU: ``use_triton`` raises it as an :class:`UnsupportedGPUError` where
+    an ordinary reason would send an automatic call to the torch code."""
+
+
+def gpu_unsupported(t: torch.Tensor, fp8: bool = False) -> GPURefusal | None:
+    """Why the GPU kernels cannot serve a call on ``t``'s GPU at all (None if they can, and
+    for tensors off CUDA or under the interpreter). ``fp8``: the call has e4m3 inputs."""
+    if t.device.type != "cuda" or interpreting():
+        return None
+    capability = device_capability(device_index(t.device))
+    if capability < MIN_CAPABILITY:
+        return GPURefusal(
+            f"the m3_sparse kernels need an NVIDIA GPU of compute capability 8.0 or newer (sm_80 and up: "
+            f"bf16 tensor cores), {t.device} is {sm_name(capability)}; impl='torch' (M3_SPARSE_IMPL=torch) "
+            "runs the much slower torch code on it"
+        )
+    if fp8 and capability < FP8_CAPABILITY:
+        return GPURefusal(
+            f"float8_e4m3fn inputs (fp8 caches, index keys or queries) need a GPU with fp8 tensor cores, "
+            f"compute capability 8.9 or newer (sm_89, sm_90, sm_100, sm_120); {t.device} is {sm_name(capability)}, "
+            "for which Triton has no e4m3 type. Keep the caches in bfloat16 or float16 on this GPU, or pin "
+            "impl='torch' (M3_SPARSE_IMPL=torch) for the much slower torch code"
+        )
+    return None
+
+
 def use_triton(t: torch.Tensor, unsupported: str | None = None, impl: str = "auto") -> bool:
     """Whether to run the Triton kernel for tensor ``t``.
 
     ``unsupported``: why the kernel cannot take the call (None if it can). In the
     automatic mode such a call runs the torch code, which takes every valid call;
-    pinned to Triton it raises instead.
+    pinned to Triton it raises instead. A GPU the kernels cannot serve at all (below 8.0,
+    or a :class:`GPURefusal`) raises :class:`UnsupportedGPUError` unless torch is pinned.
     """
     chosen = requested_impl(impl)
     if chosen == "torch":
         return False
+    refusal = unsupported if isinstance(unsupported, GPURefusal) else gpu_unsupported(t)
+    if refusal is not None:
+        raise UnsupportedGPUError(refusal)
     if chosen == "triton":
         asked = "impl='triton'" if impl == "triton" else "M3_SPARSE_IMPL=triton"
         if t.device.type != "cuda" and not interpreting():
@@ -93,7 +140,9 @@ def prep_unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def index_unsupported(args: IndexArgs) -> str | None:
-    return index_plan.shape_reason(args.index_q, args.index_k_cache, args.topk, args.block_size)
+    return gpu_unsupported(args.index_q, args.fp8) or index_plan.shape_reason(
+        args.index_q, args.index_k_cache, args.topk, args.block_size
+    )
 
 
 def index_engine(args: IndexArgs, cfg: index_plan.IndexConfig, plan: index_plan.IndexPlan) -> str:
@@ -120,13 +169,29 @@ def index_engine(args: IndexArgs, cfg: index_plan.IndexConfig, plan: index_plan.
 
 
 # --------------------------------------------------------------------------- sparse attention
+def _attention_fp8(args: AttnArgs) -> bool:
+    """Whether an attention call has e4m3 inputs (q, caches, or partials, which need e4m3 caches)."""
+    return args.q_fp8 or args.kv_fp8
+
+
 def kvouter_unsupported(args: AttnArgs) -> str | None:
+    refusal = gpu_unsupported(args.q, _attention_fp8(args))
+    if refusal is not None:
+        return refusal
     if not _is_pow2(args.block_size) or args.block_size < 16:
         return f"the Triton KV-outer kernel needs block_size a power of two >= 16, got {args.block_size}"
     for name, t in (("q", args.q), ("k_cache", args.k_cache), ("v_cache", args.v_cache)):
         if t.stride(-1) != 1:
             return f"the Triton KV-outer kernel needs {name} with a contiguous head dim (stride 1), got stride {t.stride(-1)}"
-    return None
+    return _kvouter_memory_reason(args)
+
+
+def _kvouter_memory_reason(args: AttnArgs) -> str | None:
+    """Why KV-outer's tl kernel cannot hold this call's block in the GPU's shared memory (the
+    interpreter has no such limit)."""
+    if args.q.device.type != "cuda" or interpreting():
+        return None
+    return kvouter_plan.shared_memory_reason(args, shared_memory(args.q.device))
 
 
 def tma_partials_reason(
@@ -159,11 +224,11 @@ def partials_engine(args: AttnArgs, cfg: kvouter_plan.KVOuterConfig, tile_q: int
 
 
 def decode_unsupported(args: AttnArgs) -> str | None:
-    return decode_plan.shape_reason(args)
+    return gpu_unsupported(args.q, _attention_fp8(args)) or decode_plan.shape_reason(args)
 
 
 def dense_unsupported(args: AttnArgs) -> str | None:
-    return dense_plan.shape_reason(args)
+    return gpu_unsupported(args.q, _attention_fp8(args)) or dense_plan.shape_reason(args)
 
 
 DENSE_IMPLS = IMPLS + ("fa4",)
@@ -238,11 +303,16 @@ def decode_max_queries(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def runs_decode(args: AttnArgs) -> bool:
     """Whether ``sparse_attention`` runs the decode kernel (else KV-outer) for this call:
-    ``args.max_seqlen_q`` (or the query count) rows per sequence at most the bound."""
+    ``args.max_seqlen_q`` (or the query count) rows per sequence at most the bound, or a
+    call whose block KV-outer cannot hold in this GPU's shared memory."""
     rows = args.rows_per_seq
     if rows <= min(DECODE_MAX_QUERIES, DECODE_MAX_QUERIES_TL):
         return True  # within either bound (decode steps): which partials kernel would run does not matter
-    return rows <= decode_max_queries(args.q, args.k_cache, args.v_cache, args.block_size, args.out_dtype)
+    if rows <= decode_max_queries(args.q, args.k_cache, args.v_cache, args.block_size, args.out_dtype):
+        return True
+    # Where KV-outer's block does not fit the GPU's shared memory (fp32 on a 99 KB GPU) the
+    # decode kernel, which streams each block in chunks, runs the call rather than torch.
+    return _kvouter_memory_reason(args) is not None and decode_unsupported(args) is None
 
 
 # --------------------------------------------------------------------------- workspace slices

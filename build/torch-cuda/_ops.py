@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_b1ffae9769"
+NAMESPACE = "_m3_sparse_cuda_61e66231e7"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .launch import device_capability, device_index, interpreting
+from .launch import GLUON_CAPABILITY, device_capability, device_index, interpreting, sm_name
 
 try:  # Gluon ships with Triton >= 3.5; its Hopper API is what the kernels need.
     from triton.experimental import gluon  # noqa: F401
@@ -37,18 +37,25 @@ def triton_version() -> str:
     return triton.__version__
 
 
-@functools.lru_cache(maxsize=None)
 def platform_reason(device_index: int) -> str | None:
     """The checks that depend only on the installation and the GPU (asked on every decode
-    step, so answered once per device): None, or why the Gluon kernels cannot run."""
+    step, so answered once per capability): None, or why the Gluon kernels cannot run on
+    CUDA device ``device_index``."""
+    return capability_reason(device_capability(device_index))
+
+
+@functools.lru_cache(maxsize=None)
+def capability_reason(capability: tuple[int, int]) -> str | None:
+    """:func:`platform_reason` for a GPU of this compute capability (``core.launch``'s helper
+    answers it, ``M3_SPARSE_CAPABILITY`` included)."""
+    if tuple(capability) != GLUON_CAPABILITY:
+        return f"needs sm_90 (wgmma and TMA as compiled here), this GPU is {sm_name(capability)}"
     if not HAVE_GLUON:
         return "this Triton has no Gluon Hopper API"
     if not triton_version().startswith(TESTED_TRITON):
         return f"written for Triton {' / '.join(v + 'x' for v in TESTED_TRITON)}, found {triton_version()}"
     if torch.version.hip is not None:
         return "needs CUDA, not ROCm"
-    if device_capability(device_index) != (9, 0):
-        return "needs sm_90 (wgmma and TMA as compiled here)"
     return None
 
 

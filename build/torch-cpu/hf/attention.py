@@ -5,7 +5,7 @@ Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own mo
 0. :func:`attention_forward` (the attention module's forward while this package is
    loaded) checks that an :class:`M3PagedCache` fits the model and hands its layer to the
    attention function (``m3_paged_layer``), then runs transformers' own forward:
-1. ``past_key_values.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
+1. ``cache.update(k, v)``: :class:`M3PagedCache` writes K/V into its pages
    and returns the page pools;
 2. ``self.indexer(...)``: while ``m3_sparse`` is active the indexer's forward is
    :func:`indexer_forward`: same projections, norms and rotary embedding (``index_prep``,
@@ -38,7 +38,7 @@ from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 from .. import api
 from ..core.args import tensor_meta
 from ..core.validate import debug_enabled
-from . import serving, tp
+from . import compat, serving, tp
 from .calls import call_op as _op
 from .calls import on_input_device as _on_input_device
 from .cache import M3PagedCache, M3PagedLayer, new_token_layout
@@ -87,7 +87,7 @@ def _check_no_holes(attention_mask: torch.Tensor | None, q_len: int) -> None:
     if not bool(attention_mask.all()):
         raise ValueError(
             "m3_sparse: a padded batch with a cache other than M3PagedCache leaves padding inside the key history, "
-            "which this path cannot skip. Pass past_key_values=m3_hf_attention.M3PagedCache(...) (generate() does "
+            "which this path cannot skip. Pass an m3_hf_attention.M3PagedCache as the model's cache (generate() does "
             "so by default with attn_implementation='m3_sparse')."
         )
 
@@ -179,7 +179,7 @@ def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch
 # index branch
 # ---------------------------------------------------------------------------------------
 @_on_input_device
-def indexer_forward(self, hidden_states, position_embeddings, past_key_values, position_ids):
+def indexer_forward(self, hidden_states, position_embeddings, cache, position_ids):
     """``MiniMaxM3VLIndexer.forward`` while ``m3_sparse`` is active.
 
     Returns block indices ``[B, index_heads, Sq, topk]`` (``-1`` padded) like the stock
@@ -188,10 +188,10 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
     ``index_key_dtype=torch.float8_e4m3fn``).
     """
     # With an M3PagedCache, attention_forward's layer_for has checked that the model runs m3_sparse.
-    layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, M3PagedCache) else None
-    serving_layer = layer is None and isinstance(past_key_values, serving.ServingLayer)
+    layer = cache.layers[self.layer_idx] if isinstance(cache, M3PagedCache) else None
+    serving_layer = layer is None and isinstance(cache, serving.ServingLayer)
     if layer is None and not (serving_layer or is_active(self.config)):
-        return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, past_key_values, position_ids)
+        return _ORIGINAL_INDEXER_FORWARD(self, hidden_states, position_embeddings, cache, position_ids)
     batch, q_len, _ = hidden_states.shape
     cos, sin = position_embeddings
     # An eager step's index keys go straight from the kernel into their pages (fp8 pools
@@ -214,7 +214,7 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         k_rows=k_rows,
     )  # [B, S, Hi, Di], [B, S, Di] (the pool's rows with k_out)
     if serving_layer:  # continuous batching: one packed row of every request's new tokens
-        return serving.select_blocks(self, idx_q, idx_k, past_key_values)
+        return serving.select_blocks(self, idx_q, idx_k, cache)
     heads = idx_q.shape[2]  # this rank's index heads under tensor parallelism (m3_hf_attention.tp)
 
     fp8_args = {}
@@ -227,11 +227,11 @@ def indexer_forward(self, hidden_states, position_embeddings, past_key_values, p
         if layer.index_scales is not None:
             # Only fp8 caches pass these, so a kernel build that predates them still
             # serves every other cache.
-            fp8_args = {"index_k_scale": layer.index_scales, "fp8_dot": past_key_values.index_fp8_dot}
+            fp8_args = {"index_k_scale": layer.index_scales, "fp8_dot": cache.index_fp8_dot}
     else:
         history = idx_k[:, None]  # [B, 1, S, Di]: a cache's layout of new states
-        if past_key_values is not None:
-            history = past_key_values.layers[self.layer_idx].update_index(history)  # stock contiguous layer
+        if cache is not None:
+            history = cache.layers[self.layer_idx].update_index(history)  # stock contiguous layer
         if every_block_selected(history.shape[2], self.topk_blocks, self.block_size):
             return _first_blocks(batch, heads, q_len, self.topk_blocks, history.shape[2], self.block_size, idx_q.device)
         _check_no_holes(step_mask(), q_len)
@@ -285,6 +285,11 @@ def m3_sparse_attention(
     :class:`M3PagedCache`, passed by :func:`attention_forward`) or contiguous
     ``[B, Hkv, Sk, D]`` tensors (no cache, or another cache class).
     """
+    if kwargs.get("m3_serving_layer") is not None:
+        # A continuous-batching step under the model's own name (transformers 5.24+).
+        return serving.paged_m3_sparse_attention(
+            module, query, key, value, attention_mask, dropout, scaling, block_indices, **kwargs
+        )
     if dropout and module.training:
         raise ValueError("m3_sparse: attention dropout is not supported (inference kernels)")
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -354,18 +359,21 @@ def m3_sparse_attention(
 m3_sparse_attention.is_m3_sparse_attention = True
 
 
-def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+def attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
     """``MiniMaxM3VLAttention.forward`` while this package is loaded: transformers' own
     forward, told which paged layer serves it. With an :class:`M3PagedCache` it first checks
     that the cache fits this model (a ``ValueError`` that names the mismatch), then passes
     the cache layer on to the attention function as ``m3_paged_layer`` (transformers hands
-    extra keywords through to the attention interface)."""
-    if isinstance(past_key_values, M3PagedCache):
-        kwargs["m3_paged_layer"] = past_key_values.layer_for(self.layer_idx, self.config, self.indexer is not None)
-    elif serving.uses_paged_m3_sparse(self.config):
+    extra keywords through to the attention interface). Any other cache, or none, under any
+    other attention implementation reaches transformers' forward as it was passed (the
+    cache positionally: ``compat.pop_cache``)."""
+    cache = compat.pop_cache(args, kwargs)
+    if isinstance(cache, M3PagedCache):
+        kwargs["m3_paged_layer"] = cache.layer_for(self.layer_idx, self.config, self.indexer is not None)
+    elif (layer := serving.serving_layer(self, cache, kwargs, hidden_states.shape[1])) is not None:
         # Continuous batching: the step's serving layer writes K/V and index keys into the manager's cache.
-        past_key_values = kwargs["m3_serving_layer"] = serving.layer_for(self, kwargs, hidden_states.shape[1])
-    return _ORIGINAL_ATTENTION_FORWARD(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        cache = kwargs["m3_serving_layer"] = layer
+    return _ORIGINAL_ATTENTION_FORWARD(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
 
 
 attention_forward.m3_sparse_original = _ORIGINAL_ATTENTION_FORWARD
@@ -391,7 +399,7 @@ def _prepare_cache_for_generation(original):
         if not is_active(self.config.get_text_config(decoder=True)):
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         _check_left_padded(model_kwargs.get("attention_mask"))
-        user_cache = model_kwargs.get("past_key_values")
+        user_cache = compat.generation_cache(model_kwargs)
         if isinstance(user_cache, M3PagedCache):
             user_cache.check_generation(max_cache_length)
         if (
@@ -408,7 +416,7 @@ def _prepare_cache_for_generation(original):
             if spread:
                 # generate() compiles (and graph-captures) a step on one device only.
                 cache.compileable = False
-            model_kwargs["past_key_values"] = cache
+            compat.set_generation_cache(model_kwargs, cache)
             return None
         return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
@@ -425,7 +433,7 @@ def _prefill(original):
 
     def prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
         if generation_config.prefill_chunk_size is None or not isinstance(
-            model_kwargs.get("past_key_values"), M3PagedCache
+            compat.generation_cache(model_kwargs), M3PagedCache
         ):
             return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
         eager = generation_config.disable_compile
@@ -439,23 +447,21 @@ def _prefill(original):
     return prefill
 
 
-def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, *args, **kwargs):
     """The mask generate() hands a model whose cache is compileable. With an
     :class:`M3PagedCache` under m3_sparse: the padding of the step's new tokens only
     (``[B, q_len]``), so a compiled decode step sees one input shape at every length;
-    otherwise transformers' own ``create_masks_for_generate``."""
+    otherwise transformers' own ``create_masks_for_generate``, called as it was."""
+    cache = compat.mask_cache((config, inputs_embeds, attention_mask, *args), kwargs)
     if (
-        isinstance(past_key_values, M3PagedCache)
+        isinstance(cache, M3PagedCache)
         and isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 2
         and is_active(config.get_text_config(decoder=True))
     ):
         # A fresh tensor: a slice would carry the full mask's row stride, which grows every step.
         return attention_mask[:, -inputs_embeds.shape[1]:].clone(memory_format=torch.contiguous_format)
-    return create_masks_for_generate(
-        config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=past_key_values,
-        **kwargs,
-    )
+    return create_masks_for_generate(config, inputs_embeds, attention_mask, *args, **kwargs)
 
 
 def _deferred_stop_check(base):

@@ -16,7 +16,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, causal_mask_function
 from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as m3
 
-from . import serving
+from . import compat, serving
 from .cache import M3PagedCache, new_token_layout
 from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 
@@ -58,7 +58,7 @@ def create_causal_mask(*args, **kwargs):
             AttentionMaskInterface.register(impl, m3_sparse_mask)
         mask = kwargs.get("attention_mask")
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        cache = kwargs.get("past_key_values")
+        cache = compat.mask_cache(args, kwargs)
         if isinstance(cache, M3PagedCache):
             embeds = kwargs.get("inputs_embeds", args[1] if len(args) > 1 else None)
             cache.begin_step(mask, embeds.shape[1], device=embeds.device, config=config)

@@ -72,6 +72,37 @@ def default_num_programs(device: torch.device, cfg: KVOuterConfig = DEFAULT_CONF
     return cfg.num_programs or num_sms(device, cpu_default=1) * cfg.programs_per_sm
 
 
+# What the tl partials kernel keeps in shared memory besides its K/V block and query tile:
+# nothing at M3's shapes and for fp32, 2 KB for a 16-wide head (measured for sm_80 to sm_120
+# by tests/kernels/test_gpu_compile.py, which also checks every variant against the limit).
+SMEM_SLACK = 2 * 1024
+
+
+def resident_bytes(args: AttnArgs, tile_q: int) -> int:
+    """Shared memory the ``tl`` partials kernel holds for a call: the K/V block it keeps
+    resident for a run of tiles (K in the dtype of Q @ K^T, q's when e4m3 K is widened; V in
+    P @ V's, the output's for e4m3 V) and one query tile, plus ``SMEM_SLACK``."""
+    gp = group_pad(args.group)
+    tq = next_pow2(max(tile_q, -(-16 // gp)))
+    bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
+    k_bytes = 1 if args.q_fp8 else args.q.element_size()
+    v_bytes = args.out_dtype.itemsize if args.kv_fp8 else args.v_cache.element_size()
+    return args.block_size * bd * (k_bytes + v_bytes) + tq * gp * bd * args.q.element_size() + SMEM_SLACK
+
+
+def shared_memory_reason(args: AttnArgs, limit: int, cfg: KVOuterConfig = DEFAULT_CONFIG) -> str | None:
+    """Why the ``tl`` partials kernel cannot hold this call's block in ``limit`` bytes of
+    shared memory (None when it can): fp32 q, or a wide head, on a 99 KB GPU."""
+    need = resident_bytes(args, default_tile_q(args.group, cfg))
+    if need <= limit:
+        return None
+    return (
+        f"the Triton KV-outer kernel keeps a block of {args.block_size} keys and values (head dim {args.d}, "
+        f"q {str(args.q.dtype).replace('torch.', '')}) resident in shared memory, about {need} bytes; this GPU "
+        f"allows {limit} per block"
+    )
+
+
 def tile_rows_reason(args: AttnArgs, tile_q: int) -> str | None:
     """Why the ``tl`` kernel cannot take tiles of ``tile_q`` tokens (None when it can)."""
     bs = args.block_size

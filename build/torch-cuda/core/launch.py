@@ -32,10 +32,76 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@functools.lru_cache(maxsize=None)
+# --------------------------------------------------------------------------- the GPU's capability
+# What the kernels need of a GPU, by compute capability (major, minor):
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and asynchronous copies: every Triton kernel (sm_80 up)
+# e4m3 tensor cores (Ada sm_89, Hopper sm_90, Blackwell sm_100 / sm_120). Below it Triton has no
+# float8e4nv type at all (3.6 to 3.9 refuse a kernel with an e4m3 pointer for sm_80 / sm_86 /
+# sm_87), so fp8 caches, fp8 queries and the fp8 dot need it.
+FP8_CAPABILITY = (8, 9)
+TMA_CAPABILITY = (9, 0)  # the tensor memory accelerator (dense key tiles as TMA boxes)
+GLUON_CAPABILITY = (9, 0)  # the Gluon kernels: Hopper's wgmma and TMA, exactly
+# Most shared memory one block may use (the opt-in limit, bytes), by compute capability
+# (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"); a kernel
+# above it fails to load. Capabilities not listed get the smallest.
+SHARED_MEMORY_PER_BLOCK = {(8, 0): 163 << 10, (8, 6): 99 << 10, (8, 7): 163 << 10, (8, 9): 99 << 10,
+                           (9, 0): 227 << 10, (10, 0): 227 << 10, (10, 3): 227 << 10, (12, 0): 99 << 10,
+                           (12, 1): 99 << 10}
+
+# Test-only: M3_SPARSE_CAPABILITY=<major>.<minor> (for example 8.0 or 8.9) makes
+# ``device_capability`` answer that capability for every CUDA device instead of the GPU's,
+# so that the GPU suite runs, on the GPU at hand, the code paths another GPU takes (Gluon,
+# TMA, the fp8 kernels, flash-attn-4, the refusals). Only the package's choices change:
+# Triton still compiles for the real GPU, so act only as an older GPU than the real one
+# (scripts/gpu_check.sh's CAPABILITY knob). Not for production use.
+CAPABILITY_ENV = "M3_SPARSE_CAPABILITY"
+
+
 def device_capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``index``: the one place the package
+    reads it (every choice by GPU goes through here), ``M3_SPARSE_CAPABILITY`` when set."""
+    forced = os.environ.get(CAPABILITY_ENV)
+    if forced:
+        return parse_capability(forced)
+    return _real_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _real_capability(index: int) -> tuple[int, int]:
     # Asked on every launch (decode steps too): answered once per device.
-    return torch.cuda.get_device_capability(index)
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=None)
+def parse_capability(text: str) -> tuple[int, int]:
+    """``"8.9"`` -> ``(8, 9)``: a compute capability written as ``major.minor``."""
+    major, dot, minor = text.strip().partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(
+            f"{CAPABILITY_ENV}: expected a compute capability as major.minor (for example 8.0 or 8.9), got {text!r}"
+        )
+    return int(major), int(minor)
+
+
+def sm_name(capability: tuple[int, int]) -> str:
+    """``(8, 9)`` -> ``"sm_89 (8.9)"``, as error messages name a GPU."""
+    major, minor = capability
+    return f"sm_{major}{minor} ({major}.{minor})"
+
+
+def shared_memory_per_block(capability: tuple[int, int]) -> int:
+    """Bytes of shared memory one block may use on a GPU of this capability."""
+    return SHARED_MEMORY_PER_BLOCK.get(tuple(capability), min(SHARED_MEMORY_PER_BLOCK.values()))
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on ``device`` (what the plans size their
+    tiles against): its capability's limit on CUDA; off the GPU (the interpreter, which has
+    no such limit) the H100 / H200's, which the plans were tuned on, so that the CPU runs
+    the tiles the H200 does."""
+    if device.type != "cuda" or interpreting():
+        return SHARED_MEMORY_PER_BLOCK[(9, 0)]
+    return shared_memory_per_block(device_capability(device_index(device)))
 
 
 def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

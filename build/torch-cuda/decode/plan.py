@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import AttnArgs
-from ..core.launch import MAX_SPLITS, next_pow2, num_sms
+from ..core.launch import MAX_SPLITS, next_pow2, num_sms, shared_memory
 
 # Widest head dim the kernel takes (its accumulator tile lives in registers).
 MAX_HEAD_DIM = 256
@@ -44,8 +44,12 @@ class DecodeConfig:
 
 DEFAULT_CONFIG = DecodeConfig()
 BLOCK_N = 64
-# Shared memory the K/V pipeline buffers may take (the H100/H200 have 227 KB per block).
+# Shared memory the K/V pipeline buffers may take: 160 KB of the H100 / H200's 227 KB per
+# block; on a GPU with less (99 KB on sm_86 / sm_89 / sm_120), its limit less SMEM_HEADROOM
+# for what else the kernel keeps there (the query tile, the merge; 12 KB for fp32 tiles on
+# sm_89, tests/kernels/test_gpu_compile.py).
 SMEM_BUDGET = 160 * 1024
+SMEM_HEADROOM = 32 * 1024
 # Smallest M of an MMA tile: the head group is padded to at least this many rows.
 MIN_ROWS = 16
 
@@ -65,6 +69,11 @@ class DecodePlan:
     @property
     def final(self) -> bool:
         return self.num_splits == 1
+
+
+def smem_budget(device: torch.device) -> int:
+    """Bytes of shared memory the K/V pipeline may take on ``device``."""
+    return min(SMEM_BUDGET, shared_memory(device) - SMEM_HEADROOM)
 
 
 def chunk_keys(block_size: int, block_n: int | None = None) -> int:
@@ -114,7 +123,8 @@ def plan(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG) -> DecodePlan:
     if cfg.block_n is None:
         # The pipeline keeps num_stages - 1 K and V chunks in shared memory: halve the
         # chunk for wide heads and fp32 until they fit.
-        while bn > 16 and max(1, cfg.num_stages - 1) * 2 * bn * bd * args.q.element_size() > SMEM_BUDGET:
+        budget = smem_budget(args.q.device)
+        while bn > 16 and max(1, cfg.num_stages - 1) * 2 * bn * bd * args.q.element_size() > budget:
             bn //= 2
     num_splits = cfg.num_splits
     if num_splits is None:

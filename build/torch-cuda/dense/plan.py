@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.args import AttnArgs
-from ..core.launch import MAX_SPLITS, next_pow2, num_sms
+from ..core.launch import MAX_SPLITS, next_pow2, num_sms, shared_memory
 
 # Rows per tile (tokens x padded heads) and keys per tile; BLOCK_M is a cap, a
 # decode batch gets fewer tokens per tile (see tile_tokens). 128 x 64 tiles with 4 warps
@@ -87,6 +87,17 @@ def default_block_n(rows: int, page_size: int, q_dtype: torch.dtype) -> int:
     return BLOCK_N
 
 
+def tile_bytes(args: AttnArgs, rows: int, bn: int, bd: int, num_stages: int) -> int:
+    """Shared memory a tile of ``rows`` query rows and ``bn`` keys takes at most: the key and
+    value tiles of ``num_stages`` pipeline stages (K in the dtype of Q @ K^T, q's where e4m3
+    K is widened under a float q; V in P @ V's, the output's for e4m3 V) and the query tile
+    (in shared memory where the keys come as TMA boxes). An upper bound of what Triton
+    allocated for every variant compiled in tests/kernels/test_gpu_compile.py."""
+    k_bytes = 1 if args.q_fp8 else args.q.element_size()
+    v_bytes = args.out_dtype.itemsize if args.kv_fp8 else args.v_cache.element_size()
+    return max(1, num_stages) * bn * bd * (k_bytes + v_bytes) + rows * bd * args.q.element_size()
+
+
 def tile_tokens(group_pad: int, max_q: int, block_m: int) -> int:
     """Tokens per tile: up to block_m rows, no more tokens than a sequence can have,
     and at least 16 rows (the smallest MMA M)."""
@@ -130,6 +141,12 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
         raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
+    if cfg.block_n is None:
+        # Halve the key tile until its stages fit the GPU's shared memory (fp32 and wide
+        # heads on a 99 KB GPU; a page still holds whole tiles, so TMA boxes stay usable).
+        limit = shared_memory(args.q.device)
+        while bn > 16 and tile_bytes(args, tm * gp, bn, bd, cfg.num_stages) > limit:
+            bn //= 2
     num_splits = cfg.num_splits
     if num_splits is None:
         capacity = args.block_tables.shape[1] * args.page_size

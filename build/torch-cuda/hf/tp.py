@@ -91,7 +91,8 @@ class HeadCountCheck(TensorParallelLayer):
     """The style of each attention module: fails the load with a clear message, before any
     of its weights is sharded, when the TP size would cut a head in two. Forward is untouched."""
 
-    def install_forward(self, module, mesh):
+    def install_forward(self, module, mesh, **kwargs):
+        # 5.25 adds keyword-only config / mesh_manager arguments; neither is needed here.
         check_tp_size(module.config, mesh.size())
         return module
 

@@ -1,0 +1,194 @@
+"""One continuous-batching step of ``paged|m3_sparse`` in the kernels' terms: page tables, key
+lengths and the cache slot of every new token, built on the device from the keywords
+transformers' manager passes the model.
+
+Both cache designs (``serving_groups`` for transformers 5.17, ``serving_allocator`` for 5.18
+and later) describe a token's place in the manager's cache by an integer **slot**, as the
+manager's ``write_index`` / ``read_index`` do, and both keep the identity this module relies on:
+a request's block-table entry ``e`` (``fill_block_table``) holds the tokens of slots
+``e * P .. e * P + P - 1`` in order, ``P`` being the cache's tokens per page (block). The
+kernels read pages of ``page_size`` tokens (:func:`page_size_for`, a divisor of ``P``), so a
+kernel page starts at the slot of its first token; each layer group of the cache
+(:class:`PoolGroup`) turns such slots into page ids of its pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..core.validate import SUPPORTED_PAGE_SIZES
+from . import compat
+from .impl import ATTN_IMPLEMENTATION, names_m3_sparse
+
+# M3's layer type of its sparse-attention layers (``config.layer_types``).
+SPARSE_LAYER_TYPE = "minimax_m3_sparse"
+CB_IMPLEMENTATION = compat.cb_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def runs_m3_sparse(config) -> bool:
+    """Whether ``config`` runs m3_sparse under a name continuous batching gives it on some
+    release (``compat.cb_attn_implementation``): ``m3_sparse`` or a hub string of this package,
+    with or without ``paged|``, or this package's serving name."""
+    impl = getattr(config, "_attn_implementation", None)
+    return isinstance(impl, str) and (impl == compat.CB_SERVING_NAME or names_m3_sparse(impl.removeprefix("paged|")))
+
+
+def page_size_for(tokens_per_page: int) -> int:
+    """The kernels' page size for a continuous-batching cache of ``tokens_per_page`` tokens per
+    page: the largest supported size that divides it (a cache page is then whole kernel pages)."""
+    for size in sorted(SUPPORTED_PAGE_SIZES, reverse=True):
+        if tokens_per_page % size == 0:
+            return size
+    raise ValueError(
+        f"{CB_IMPLEMENTATION}: a continuous-batching cache of {tokens_per_page} tokens per page is not a multiple of "
+        f"a page size the kernels take {SUPPORTED_PAGE_SIZES}; set ContinuousBatchingConfig's page size (block_size "
+        "up to transformers 5.17) to a multiple of 16, such as 256 (the default) or 128."
+    )
+
+
+class PoolGroup(Protocol):
+    """A layer group of the manager's cache (its layers share one block table), as the kernels
+    read it: pools of ``page_size``-token pages and the page ids of its slots."""
+
+    tokens_per_page: int
+    write_trash_index: int  # the slot padding tokens write to (never read)
+
+    def page_tables(self, first_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Slots of the first tokens of kernel pages -> page ids (int32, same shape) of the K/V
+        pools and of the index-key pools (None: the group holds no index keys)."""
+
+    def write_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write a layer's new K/V ``[T, Hkv, D]`` at ``slots [T]``."""
+
+    def kv_pools(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V pools ``[pages, Hkv, page_size, D]`` (views of the cache)."""
+
+    def write_index_keys(self, layer_idx: int, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write a sparse layer's new index keys ``[T, Di]`` at ``slots [T]``."""
+
+    def index_pool(self, layer_idx: int, head_dim: int) -> torch.Tensor:
+        """A sparse layer's index-key pool ``[pages, page_size, Di]``."""
+
+
+class CachePools(Protocol):
+    """The manager's cache as layer groups (one design module per cache design)."""
+
+    page_size: int
+    groups: list[PoolGroup]
+
+    def group_of(self, layer_idx: int) -> int:
+        ...
+
+
+@dataclass
+class GroupStep:
+    """A layer group's part of a step: ``slots [T]`` int64, the cache slot of each new token
+    (the group's write trash for padding tokens); ``kv_tables`` / ``index_tables [R + 1, W]``
+    int32, the page ids of each request's history in the group's pools (``index_tables``
+    None for a group without index keys)."""
+
+    slots: torch.Tensor
+    kv_tables: torch.Tensor
+    index_tables: torch.Tensor | None
+
+
+@dataclass
+class ServingStep:
+    """The packed step of every layer, in the kernels' terms. ``R`` requests plus one
+    trailing sequence with no key that owns the padding tokens past ``cu_seq_lens_q[-1]``
+    (none without padding): the ops need every query row inside ``cu_seqlens_q``.
+
+    cu_seqlens_q [R + 2] int32; kv_lens [R + 1] int32 (history plus new tokens, the same in
+    every group: every M3 layer keeps every token); groups: by group index.
+    """
+
+    groups: dict[int, GroupStep]
+    cu_seqlens_q: torch.Tensor
+    kv_lens: torch.Tensor
+    page_size: int
+    max_seqlen_q: int
+    write_index: list | None  # the step's keyword (kept to tell steps apart, never read)
+
+
+def _key_lengths(kwargs: dict) -> torch.Tensor:
+    """``cu_seq_lens_k`` ``[R + 1]``: a tensor, or a dict by layer type whose entries are equal
+    here (every M3 layer type keeps every token)."""
+    cu_k = kwargs["cu_seq_lens_k"]
+    return next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k
+
+
+def _first_slots_from_history(history, starts, kv_lens, width: int, page_size: int) -> torch.Tensor:
+    """``[R, width]``: the slot of the first token of each request's kernel pages, read from the
+    slots of its tokens in order (request ``r``'s start at ``starts[r]``). Pages past a
+    request's tokens read slot 0 (never dereferenced)."""
+    first = torch.arange(width, device=history.device, dtype=torch.int64) * page_size  # [W]
+    where = (starts.to(torch.int64)[:, None] + first[None, :]).clamp(max=max(history.numel() - 1, 0))
+    slots = history[where] if history.numel() else torch.zeros_like(where)
+    return torch.where(first[None, :] < kv_lens[:, None], slots, 0)
+
+
+def _first_slots_from_blocks(entries: torch.Tensor, tokens_per_page: int, page_size: int) -> torch.Tensor:
+    """``[R, MB * tokens_per_page / page_size]`` from block tables ``[R, MB]`` (``-1`` = none):
+    entry ``e`` holds slots ``e * tokens_per_page ..`` in order."""
+    sub = torch.arange(tokens_per_page // page_size, device=entries.device, dtype=torch.int64) * page_size
+    slots = entries.to(torch.int64).clamp(min=0)[:, :, None] * tokens_per_page + sub
+    return slots.reshape(entries.shape[0], -1)
+
+
+def _new_token_slots(first, cu_q, kv_lens, num_tokens: int, page_size: int, trash: int) -> torch.Tensor:
+    """Cache slot of every new token from the first-slot tables (the decode fast path passes no
+    write index): token ``i`` of a request with ``n`` new tokens sits at ``kv_len - n + i``;
+    padding tokens go to the write trash."""
+    cu = cu_q.to(torch.int64)
+    t = torch.arange(num_tokens, device=cu.device, dtype=torch.int64)
+    req = torch.searchsorted(cu[1:], t, right=True)  # [T], R for padding tokens
+    real = req < kv_lens.shape[0]
+    r = req.clamp(max=kv_lens.shape[0] - 1)
+    pos = (kv_lens.to(torch.int64)[r] - (cu[r + 1] - t)).clamp(min=0)
+    return torch.where(real, first[r, pos // page_size] + pos % page_size, trash)
+
+
+def _with_trailing_row(tables: torch.Tensor | None) -> torch.Tensor | None:
+    """Page tables with a row of zeros for the trailing sequence (the padding tokens')."""
+    return None if tables is None else torch.cat([tables, torch.zeros_like(tables[:1])])
+
+
+def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
+    """The :class:`ServingStep` of the keywords continuous batching passed the model, built on
+    the device (no host read, so a captured graph replays it)."""
+    page_size = pools.page_size
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = _key_lengths(kwargs)
+    kv_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    max_q, max_k = compat.cb_step_max_lengths(kwargs)
+    max_k = next(iter(max_k.values())) if isinstance(max_k, dict) else max_k  # equal for every layer type here
+    block_table = kwargs.get("block_table")
+    groups = {}
+    for g, group in enumerate(pools.groups):
+        if block_table is not None:  # the decode fast path: block tables, no indices
+            first = _first_slots_from_blocks(block_table[g], group.tokens_per_page, page_size)
+            slots = _new_token_slots(first, cu_q, kv_lens, num_tokens, page_size, group.write_trash_index)
+        else:
+            slots = kwargs["write_index"][g][:num_tokens]
+            read = kwargs["read_index"][g]
+            # With no history to read (fresh prompts only) the written slots are the whole history.
+            history = read if read.numel() else slots
+            width = max(1, -(-int(max_k) // page_size))
+            first = _first_slots_from_history(history, cu_k[:-1], kv_lens, width, page_size)
+        kv_tables, index_tables = group.page_tables(first)
+        groups[g] = GroupStep(
+            slots=slots.to(torch.int64), kv_tables=_with_trailing_row(kv_tables),
+            index_tables=_with_trailing_row(index_tables),
+        )
+    end = torch.full((1,), num_tokens, dtype=cu_q.dtype, device=cu_q.device)
+    return ServingStep(
+        groups=groups,
+        cu_seqlens_q=torch.cat([cu_q, end]).to(torch.int32),
+        kv_lens=torch.cat([kv_lens, torch.zeros_like(kv_lens[:1])]),
+        page_size=page_size,
+        max_seqlen_q=int(max_q),
+        write_index=kwargs.get("write_index"),
+    )
