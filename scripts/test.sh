@@ -12,7 +12,8 @@
 #           transformers 5.17.0, kernels 0.16.2, huggingface_hub 1.x). It shares .venv's
 #           torch, Triton and test tools.
 # With pytest args, pytest gets exactly those args and nothing of ours, in the newest pass
-# only: `bash scripts/test.sh tests/test_model.py -x`. Add `-n auto` for parallel.
+# only: `bash scripts/test.sh tests/test_model.py -x`. For workers there, pass `-n 2` and
+# set OMP_NUM_THREADS=1 (as the default passes do: torch threads beyond the cores spin).
 #
 # Environment:
 #   M3_TEST_RANGE=newest|oldest|both  which passes run (default: both without pytest args,
@@ -23,7 +24,7 @@
 # Each venv is installed only when its inputs changed (scripts/setup_venv.sh --if-changed);
 # --setup-only stops after that. build/ must match torch-ext/ (scripts/build_kernel.py
 # --check). Every pass counts: the exit code is the first failing pass's, and pytest's
-# exit 5 (no tests collected) is a failure. Each pass's wall time is printed.
+# exit 5 (no tests collected) is a failure. Each pass's wall and CPU time is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
