@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_61e66231e7"
+NAMESPACE = "_m3_sparse_cpu_fa420c13ce"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -20,12 +20,11 @@ forked request's blocks in K/V; :func:`_copy_cache` copies their index keys too.
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
 
-from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, page_size_for, runs_m3_sparse
+from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse
 
 _ORIGINAL_GROUP_LAYERS = getattr(
     cb_cache.group_layers_by_attn_type, "m3_sparse_original", cb_cache.group_layers_by_attn_type
@@ -141,14 +140,7 @@ class Pools:
         return 0
 
 
-_POOLS: "weakref.WeakKeyDictionary[cb_cache.PagedAttentionCache, Pools]" = weakref.WeakKeyDictionary()
-
-
-def pools_of(cache: cb_cache.PagedAttentionCache) -> Pools:
-    pools = _POOLS.get(cache)
-    if pools is None:
-        pools = _POOLS[cache] = Pools(cache)
-    return pools
+pools_of = PoolsByCache(Pools)
 
 
 def _copy_cache(self, list_source_blocks, list_forked_blocks):
@@ -156,7 +148,7 @@ def _copy_cache(self, list_source_blocks, list_forked_blocks):
     children share the complete ones) in the K/V tensors it knows of, then the same blocks of
     the index keys: a child would otherwise select its blocks from keys never written there."""
     _ORIGINAL_COPY_CACHE(self, list_source_blocks, list_forked_blocks)
-    pools = _POOLS.get(self)
+    pools = pools_of.get(self)
     if pools is not None:
         pools.groups[0].copy_blocks(list_source_blocks, list_forked_blocks)
 

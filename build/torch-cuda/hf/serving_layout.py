@@ -14,6 +14,7 @@ kernel page starts at the slot of its first token; each layer group of the cache
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -192,3 +193,22 @@ def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
         max_seqlen_q=int(max_q),
         write_index=kwargs.get("write_index"),
     )
+
+
+class PoolsByCache:
+    """The page pools a cache design (``make``) shows the kernels for each of the manager's
+    caches, made on first use and kept as long as that cache lives. Called with a cache: its
+    pools; ``get``: its pools if they were made, else None."""
+
+    def __init__(self, make):
+        self._make = make
+        self._pools = weakref.WeakKeyDictionary()
+
+    def __call__(self, cache):
+        pools = self._pools.get(cache)
+        if pools is None:
+            pools = self._pools[cache] = self._make(cache)
+        return pools
+
+    def get(self, cache):
+        return self._pools.get(cache)

@@ -21,7 +21,6 @@ its layers keep every token, so their key lengths are the same. On 5.18,
 
 from __future__ import annotations
 
-import weakref
 from math import gcd
 
 import torch
@@ -30,7 +29,7 @@ from transformers.generation.continuous_batching import input_outputs as cb_io
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from . import compat
-from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, page_size_for
+from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for
 
 FULL_LAYER_TYPE = "full_attention"  # FullAttentionCacheAllocator's layer type (its registry key)
 _INT32_MAX = 2**31 - 1
@@ -268,14 +267,7 @@ class Pools:
         return self._groups[layer_idx]
 
 
-_POOLS: "weakref.WeakKeyDictionary[cb_cache.PagedAttentionCache, Pools]" = weakref.WeakKeyDictionary()
-
-
-def pools_of(cache: cb_cache.PagedAttentionCache) -> Pools:
-    pools = _POOLS.get(cache)
-    if pools is None:
-        pools = _POOLS[cache] = Pools(cache)
-    return pools
+pools_of = PoolsByCache(Pools)
 
 
 # ---------------------------------------------------------------------------------------
