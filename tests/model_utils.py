@@ -15,6 +15,8 @@ from transformers.models.minimax_m3_vl import (
 
 # The keyword generate() and the models take a cache under: transformers 5.24 renamed
 # ``past_key_values`` to ``cache`` (the old name is accepted, with a warning, until 5.40).
+# The package has it as m3_hf_attention.CACHE_KEYWORD; this module must not import the
+# package: tests/scripts/stock_outputs.py uses it in a process that never imports it.
 CACHE_KEYWORD = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 PAD = 0

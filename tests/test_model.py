@@ -74,6 +74,7 @@ def test_generate_uses_paged_cache_by_default(models):
 def test_generate_takes_a_paged_cache_under_the_release_keyword(models):
     """A cache passed under this transformers release's own keyword (``cache`` from 5.24,
     ``past_key_values`` before) serves generate() as the default one does, and comes back."""
+    assert CACHE_KEYWORD == m3_hf_attention.CACHE_KEYWORD  # the tests' copy, kept free of the package
     sparse, _ = models
     ids = random_prompt(40, torch.Generator().manual_seed(4))[None]
     default = greedy(sparse, ids, new_tokens=6)
