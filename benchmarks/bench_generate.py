@@ -438,9 +438,9 @@ def call_args(config: Config, model, shape: Shape, args):
             "triton.cudagraphs": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     length = shape.context + args.new_tokens
     if config.model == "dense":
-        extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=length)
+        extra[m3_hf_attention.CACHE_KEYWORD] = StaticCache(config=model.config, max_cache_len=length)
     elif args.page_size is not None:
-        extra["past_key_values"] = m3_hf_attention.M3PagedCache(
+        extra[m3_hf_attention.CACHE_KEYWORD] = m3_hf_attention.M3PagedCache(
             model.config, shape.batch, length, page_size=args.page_size)
     elif config.attn == "m3_sparse":
         extra["max_cache_len"] = length  # generate() sizes its own M3PagedCache from it

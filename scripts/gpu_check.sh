@@ -13,7 +13,7 @@
 # gets --out $OUT/NAME. Wheels in ./.whl (an offline machine's copy of kernels and
 # hypothesis) are installed first when present. Environment: TEST_ARGS (pytest's selection,
 # default "-m gpu tests"; "tests" runs every test on the GPU, longer than the default limit),
-# TEST_TIMEOUT (s, default 480),
+# TEST_TIMEOUT (s, default 480), TESTS=0 (skip the test step: benchmarks only),
 # STEP_TIMEOUT (s, default 300), PYTEST_WORKERS (default: the CPU count, as most of a GPU test's
 # time is Triton compiling on the host; needs pytest-xdist).
 #
@@ -92,8 +92,10 @@ workers=()
 n_workers=${PYTEST_WORKERS:-$(nproc)}
 [[ "$n_workers" != 0 ]] && workers=(-n "$n_workers")
 read -ra test_args <<<"${TEST_ARGS:--m gpu tests}"
-run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider ${acting[@]+"${acting[@]}"} \
-    "${workers[@]}" -rfE --tb=short "${test_args[@]}"
+if [[ "${TESTS:-1}" != 0 ]]; then
+    run_step tests "${TEST_TIMEOUT:-480}" "$PY" -m pytest -q -p no:cacheprovider ${acting[@]+"${acting[@]}"} \
+        "${workers[@]}" -rfE --tb=short "${test_args[@]}"
+fi
 
 for spec in "$@"; do
     name=${spec%%:*}

@@ -450,17 +450,19 @@ def _prefill(original):
 def _create_masks_for_generate(self, config, inputs_embeds, attention_mask, *args, **kwargs):
     """The mask generate() hands a model whose cache is compileable. With an
     :class:`M3PagedCache` under m3_sparse: the padding of the step's new tokens only
-    (``[B, q_len]``), so a compiled decode step sees one input shape at every length;
-    otherwise transformers' own ``create_masks_for_generate``, called as it was."""
+    (``[B, q_len]``), so a compiled decode step sees one input shape at every length, or
+    ``None`` for a batch without padding; otherwise transformers' own
+    ``create_masks_for_generate``, called as it was."""
     cache = compat.mask_cache((config, inputs_embeds, attention_mask, *args), kwargs)
-    if (
-        isinstance(cache, M3PagedCache)
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dim() == 2
-        and is_active(config.get_text_config(decoder=True))
-    ):
-        # A fresh tensor: a slice would carry the full mask's row stride, which grows every step.
-        return attention_mask[:, -inputs_embeds.shape[1]:].clone(memory_format=torch.contiguous_format)
+    if isinstance(cache, M3PagedCache) and is_active(config.get_text_config(decoder=True)):
+        if attention_mask is None:
+            # From 5.18 generate() drops an all-ones mask. transformers' own function would
+            # then hand the model a dict of masks, and the model skips ``create_causal_mask``,
+            # where the paged cache begins its step: the decode step would not compile.
+            return None
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            # A fresh tensor: a slice would carry the full mask's row stride, which grows every step.
+            return attention_mask[:, -inputs_embeds.shape[1]:].clone(memory_format=torch.contiguous_format)
     return create_masks_for_generate(config, inputs_embeds, attention_mask, *args, **kwargs)
 
 
