@@ -227,10 +227,20 @@ MUTATIONS = (
         what="only pads of negative position go to the scratch page: a step with leading pads on a cache that "
              "holds a history writes them over the history's last tokens (a first step is unaffected)",
     ),  # fmt: skip
+    Mutation(
+        name="serving_index_keys_one_slot_early", path="hf/serving.py",
+        old="self.group.write_index_keys(self.layer_idx, index_keys, self.group_step.slots)",
+        new="self.group.write_index_keys(self.layer_idx, index_keys, (self.group_step.slots - 1).clamp(min=0))",
+        tests=("tests/test_continuous_batching.py::test_served_index_keys_sit_at_their_tokens_slots",
+               "tests/test_continuous_batching.py::test_mixed_lengths_equal_generate"),
+        what="a continuous-batching step writes each new token's index keys one slot before its K/V (clamped at "
+             "slot 0: one slot late runs past the pool's last slot and fails the step, not the placement check)",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter
-# used to skip, one each of the combine and the index kernel, and a plan's launch.
+# used to skip, one each of the combine and the index kernel, a plan's launch, and where a
+# serving step puts the index keys.
 SHORT = (
     "kvouter_widened_key_scale",
     "decode_widened_key_scale",
@@ -239,6 +249,7 @@ SHORT = (
     "combine_drops_a_partial",
     "index_tie_to_higher_id",
     "decode_plan_keeps_its_query",
+    "serving_index_keys_one_slot_early",
 )
 
 

@@ -4,7 +4,8 @@
 different lengths, prompts cut into several prefill chunks, requests joining mid-run,
 requests waiting for pages. The step layout built from transformers' keywords is checked
 against its own cache bookkeeping, padded steps included, on either cache design
-(transformers 5.17's layer groups, 5.18's allocators: ``serving.cache_design``)."""
+(transformers 5.17's layer groups, 5.18's allocators: ``serving.cache_design``), and so are the
+index keys a served request leaves in the pool, token by token at its pages and slots."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.generation.continuous_batching.requests import RequestState
+from transformers.generation.continuous_batching.scheduler import Scheduler
 from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
 
 import m3_hf_attention
@@ -528,6 +530,110 @@ def test_padding_tokens_leave_real_rows_alone():
         outs.append((sel[:19], out[:19]))
     assert torch.equal(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# the index keys a served request leaves in the pool
+# ---------------------------------------------------------------------------------------
+SPARSE_LAYERS = [i for i, kind in enumerate(LAYERS) if kind == serving.SPARSE_LAYER_TYPE]
+# A key read back from the pool against the key a plain forward of the request computes: equal
+# in the first layer; later, the layers before ran other kernels on other step shapes, so the
+# two differ by rounding (up to 2e-6 here), while another token's key differs by about 1.
+KEY_ATOL = 1e-4
+
+
+def pooled_index_keys(cache, rid: str, length: int) -> dict:
+    """What the kernels read as request ``rid``'s index keys, token by token, at the slots the
+    cache's own bookkeeping gives its first ``length`` tokens: by sparse layer, (keys
+    ``[length, Di]``, and per token a description of where they were read)."""
+    pools = pools_of(cache)
+    read = [[] for _ in pools.groups]
+    cache.extend_read_and_write_indices(rid, 0, length, read, [[] for _ in pools.groups])
+    held = {}
+    for layer in SPARSE_LAYERS:
+        g = pools.group_of(layer)
+        group, slots = pools.groups[g], torch.tensor(read[g])
+        offset = slots % pools.page_size
+        _, pages = group.page_tables(slots - offset)
+        keys = group.index_pool(layer, INDEX_DIM)[pages.long(), offset].clone()
+        size = group.tokens_per_page
+        where = [
+            f"slot {s} (cache page {s // size} slot {s % size}, kernel page {p} slot {o})"
+            for s, p, o in zip(slots.tolist(), pages.tolist(), offset.tolist())
+        ]
+        held[layer] = (keys, where)
+    return held
+
+
+def computed_index_keys(model, tokens: list[int]) -> dict:
+    """The index keys ``[len(tokens), Di]`` of every sparse layer, as a plain forward of
+    ``tokens`` alone (no cache) computes them: the indexer's ``index_prep`` output."""
+    attention = sys.modules[serving.__package__ + ".attention"]
+    prep, current, keys = attention.api.index_prep, [None], {}
+
+    def spy(*args, **kwargs):
+        q, k = prep(*args, **kwargs)
+        keys[current[0]] = k[0].clone()
+        return q, k
+
+    hooks = [
+        model.model.layers[i].self_attn.indexer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+        for i in SPARSE_LAYERS
+    ]
+    attention.api.index_prep = spy
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]), use_cache=False)
+    finally:
+        attention.api.index_prep = prep
+        for h in hooks:
+            h.remove()
+    return keys
+
+
+def test_served_index_keys_sit_at_their_tokens_slots(model, monkeypatch, steps):
+    """After serving requests of different lengths (several pages each, prompts prefilled in
+    chunks beside other requests' decode rows, then decode steps of the fast path), each
+    request's pages hold, at the slot of each of its tokens and in every sparse layer, that
+    token's index key. Read as each request finishes, before its blocks are freed (and maybe
+    handed to another request)."""
+    batch = prompts([5, 29, 70, 131], seed=9)
+    new_tokens = 6
+    held = {}
+    finish = Scheduler.finish_request
+
+    def finish_request(self, request_id):
+        state = self.active_requests.get(request_id)
+        if state is not None:
+            held[request_id] = (state.position_offset, pooled_index_keys(self.cache, request_id, state.position_offset))
+        finish(self, request_id)
+
+    monkeypatch.setattr(Scheduler, "finish_request", finish_request)
+    out = model.generate_batch(
+        batch, generation_config=gen_config(new_tokens), continuous_batching_config=cb_config(), warmup=False
+    )
+    assert [r.error for r in out.values()] == [None] * len(batch) and sorted(held) == sorted(out)
+    # What the run covered: a prefill chunk after a history, steps mixing prefill with decode
+    # rows, decode steps through the block tables.
+    assert any(q > 1 and kv > q for qs, kvs, _ in steps for q, kv in zip(qs, kvs))
+    assert any(1 in qs and max(qs) > 1 for qs, _, _ in steps) and any(fast for *_, fast in steps)
+    for rid, result in out.items():
+        length, by_layer = held[rid]
+        # Every token but the last generated one went through the model, into the pool.
+        tokens = result.prompt_ids + result.generated_tokens[:-1]
+        assert length == len(tokens) == len(result.prompt_ids) + new_tokens - 1
+        want = computed_index_keys(model, tokens)
+        for layer, (got, where) in by_layer.items():
+            off = (got[:, None] - want[layer][None]).abs().amax(-1)  # [held token, computed token]
+            wrong = torch.nonzero(off.diagonal() > KEY_ATOL).flatten().tolist()
+            if wrong:
+                t = wrong[0]
+                nearest = int(off[t].argmin())
+                raise AssertionError(
+                    f"request {rid} ({len(result.prompt_ids)}-token prompt), layer {layer}, token {t}: {where[t]} "
+                    f"holds a key {float(off[t, t]):.3g} off token {t}'s; nearest: token {nearest}'s "
+                    f"({float(off[t, nearest]):.3g} off). {len(wrong)} of {length} tokens wrong, first {wrong[:8]}"
+                )
 
 
 # ---------------------------------------------------------------------------------------
