@@ -4,11 +4,13 @@
 With ``--model PATH`` a local M3 checkpoint is loaded (a text checkpoint,
 ``MiniMaxM3VLForCausalLM``, or a full multimodal one, which is run on text only).
 Without it a small random-weight M3 text model is built once and saved under
-``--work-dir`` (default ``~/.cache/m3_hf_attention``): nothing is downloaded.
+``--work-dir`` (default ``~/.cache/m3_hf_attention``), with a byte-level BPE tokenizer and
+a chat template (``m3_hf_attention.toy_tokenizer``): nothing is downloaded. Such a
+checkpoint also serves ``m3-serve`` (docs/USAGE.md, "Serving").
 
-The prompt is encoded with the checkpoint's tokenizer when it has one; otherwise
-``--prompt`` text becomes token ids byte by byte (UTF-8) and ``--prompt-tokens N``
-draws N random ids. ``--compare-sdpa`` reruns the same weights with
+``--prompt`` text is encoded with the checkpoint's tokenizer when it has one, otherwise
+byte by byte (UTF-8); ``--prompt-tokens N`` draws N random ids, the random model's default
+(a real checkpoint's default is a text prompt). ``--compare-sdpa`` reruns the same weights with
 ``attn_implementation="sdpa"`` (transformers' own dense-mask implementation of the
 same sparse attention) and exits with status 1 unless both agree, up to near-ties: two
 key blocks whose index scores, or two MoE experts whose router scores, lie within rounding
@@ -45,6 +47,7 @@ except ImportError:  # a checkout that was not pip-installed
 
 from m3_hf_attention import CACHE_KEYWORD, M3PagedCache
 from m3_hf_attention import compare as compare_sdpa
+from m3_hf_attention.toy_tokenizer import save_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
@@ -53,7 +56,7 @@ DEFAULT_WORK_DIR = Path("~/.cache/m3_hf_attention")
 TINY_DIR_NAME = "tiny-m3"
 # Bumped whenever tiny_config() or the weight recipe changes, so that a cached
 # model built by an older version of this script is rebuilt instead of reused.
-TINY_RECIPE = 1
+TINY_RECIPE = 2  # 2: a tokenizer beside the weights
 TINY_SEED = 0
 DEFAULT_RANDOM_PROMPT_TOKENS = 320
 DEFAULT_TEXT_PROMPT = "The MiniMax M3 model attends to a few selected blocks of its context."
@@ -129,6 +132,7 @@ def ensure_tiny_model(work_dir: Path) -> Path:
     # never load a half-written checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-", dir=work_dir))
     model.save_pretrained(staging)
+    save_tokenizer(staging, model.config.vocab_size)
     (staging / "m3_example.json").write_text(json.dumps({"recipe": TINY_RECIPE, "seed": TINY_SEED}) + "\n")
     if target.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-old-", dir=work_dir))
@@ -181,8 +185,8 @@ class Batch:
     attention_mask: torch.Tensor  # [B, S]
 
 
-def make_prompts(args, tokenizer, vocab_size: int, special: set[int]) -> list[list[int]]:
-    if args.prompt is not None or (tokenizer is not None and args.prompt_tokens is None):
+def make_prompts(args, tokenizer, vocab_size: int, special: set[int], text_default: bool) -> list[list[int]]:
+    if args.prompt is not None or (text_default and tokenizer is not None and args.prompt_tokens is None):
         text = args.prompt if args.prompt is not None else DEFAULT_TEXT_PROMPT
         if tokenizer is not None:
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -230,7 +234,7 @@ def prepare_inputs(model, tokenizer, args, random_model: bool) -> tuple[Batch, d
         pad_id = eos_ids[0] if eos_ids else 0
     special = {pad_id, *eos_ids, *_ids(text_cfg.bos_token_id)}
 
-    batch = pad_left(make_prompts(args, tokenizer, text_cfg.vocab_size, special), pad_id)
+    batch = pad_left(make_prompts(args, tokenizer, text_cfg.vocab_size, special, text_default=not random_model), pad_id)
     gen_kwargs = dict(do_sample=False, max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
     if pad_id not in eos_ids:
         # A generated pad id would read as padding to generate(); keep it out of greedy picks.
@@ -415,7 +419,8 @@ def parse_args(argv=None):
         "--prompt-tokens",
         type=int,
         default=None,
-        help=f"use a random prompt of N tokens instead (default without a tokenizer: {DEFAULT_RANDOM_PROMPT_TOKENS}); "
+        help=f"use a random prompt of N tokens instead (default for the random model or a checkpoint without a "
+        f"tokenizer: {DEFAULT_RANDOM_PROMPT_TOKENS}); "
         "with --batch-size > 1 row b is shorter by b*N/(4*batch) tokens, so the batch is left padded",
     )
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -482,7 +487,7 @@ def main(argv=None) -> int:
         print(f"error: --model {path}: not a directory", file=sys.stderr)
         return 2
     model = load_model(path, device, dtype)
-    tokenizer = None if random_model else load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
     text_cfg = model.config.get_text_config(decoder=True)
     batch, gen_kwargs, eos_ids = prepare_inputs(model, tokenizer, args, random_model)
     rows = batch.rows

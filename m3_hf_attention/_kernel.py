@@ -22,6 +22,9 @@ ENV_VAR = "M3_SPARSE_KERNEL"
 # install outside the source tree does not have. kernels requires a version or a
 # revision for a hub kernel: version N is the repository's branch `vN`.
 KERNEL_VERSION = 1
+# build.toml's `[general.hub] repo-id`: the hub string `attn_implementation` takes (m3-serve
+# passes it to transformers' server; tests/test_build.py checks the two agree).
+HUB_REPO_ID = "m3-hf-attention/m3-sparse"
 # `namespace/name`, optionally `@<revision>` (a branch, tag or commit).
 _HUB_SOURCE = re.compile(r"(?P<repo_id>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?")
 

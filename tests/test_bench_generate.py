@@ -317,3 +317,23 @@ def test_quick_run_on_gpu_counts_launches(tmp_path):
     assert m["dense-eager"]["mode"] == m["m3_sparse-eager"]["mode"] == "eager"
     assert m["m3_sparse"]["mode"] in ("eager", "compiled", "graphs")
     assert m["dense"]["launches"] < m["dense-eager"]["launches"]
+
+
+def test_save_model_writes_servable_checkpoints(tmp_path):
+    """benchmarks/save_model.py: the M3-shaped model and its twin, each with the toy tokenizer
+    of its vocabulary, load back with the same weights (the twin has no indexers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "save_model.py"), "--quick", "--hidden", "64", "--mlp", "64",
+           "--vocab", "512", "--dtype", "float32", "--max-len", "4096", "--layers", "sfs", "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    m3 = AutoModelForCausalLM.from_pretrained(tmp_path / "m3-sfs")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-sfs")
+    assert m3.config.layer_types == ["minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]
+    assert set(dense.config.layer_types) == {"full_attention"}
+    twin = dense.state_dict()
+    assert all(torch.equal(v, twin[k]) for k, v in m3.state_dict().items() if ".indexer." not in k)
+    for name in ("m3-sfs", "dense-sfs"):
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / name)
+        assert len(tokenizer) == 512 and tokenizer.chat_template
+        assert tokenizer.decode(tokenizer("Hello, M3")["input_ids"], skip_special_tokens=True) == "Hello, M3"

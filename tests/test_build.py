@@ -341,6 +341,11 @@ def test_loader_version_is_the_kernel_major_version():
     assert loader.KERNEL_VERSION == version == _metadata("torch-cuda").version
 
 
+def test_loader_hub_repo_id_is_build_toml_s():
+    loader = _module_from_file("_m3_kernel_loader_repo", KERNEL_LOADER)
+    assert loader.HUB_REPO_ID == _build_toml()["general"]["hub"]["repo-id"]
+
+
 def test_no_python_depends_and_why():
     """build.toml declares no python-depends: the loader would refuse the cuda variant on a
     machine without the declared package (see build.toml). This is what both kernels releases

@@ -1,0 +1,86 @@
+"""``m3-serve``: transformers' own ``transformers serve`` with M3's sparse attention.
+
+transformers' server takes ``--attn-implementation`` as a name it knows or a hub-kernel
+string, and a command line cannot ``import m3_hf_attention`` first. So this command does
+three things and hands every argument to transformers' CLI unchanged otherwise:
+
+* without ``--attn-implementation`` (or with ``m3_sparse``) it passes this kernel's hub string,
+  :data:`HUB_REPO_ID`. transformers loads that through ``kernels``, and the kernel brings the
+  whole integration: the paged cache, the mask function and, under ``--continuous-batching``,
+  the serving allocator;
+* it points ``LOCAL_KERNELS`` at the kernel this package loads (this source tree's ``build/``,
+  or the directory ``M3_SPARSE_KERNEL`` names), so the hub string resolves offline to the same
+  code as ``import m3_hf_attention``. An ``LOCAL_KERNELS`` already set is left alone, and with
+  ``M3_SPARSE_KERNEL`` naming a hub repository the hub string is that repository;
+* it imports the package, which registers ``attn_implementation="m3_sparse"`` in the process.
+
+    m3-serve /path/to/m3 --continuous-batching            # the model pinned, localhost:8000
+    m3-serve /path/to/m3 --continuous-batching --port 9000 --cb-max-batch-tokens 4096
+
+``m3-serve --help`` prints transformers' options. The server listens on localhost unless
+``--host`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ._kernel import ENV_VAR, HUB_REPO_ID, REPO_ROOT
+
+ATTN_FLAG = "--attn-implementation"
+
+
+def _kernel_source() -> tuple[str, Path | None]:
+    """(the hub string transformers gets, the local kernel directory it resolves to or None)."""
+    source = os.environ.get(ENV_VAR)
+    if source:
+        path = Path(source).expanduser()
+        if path.exists():
+            return HUB_REPO_ID, path.resolve()
+        return source, None  # a hub repository (org/name or org/name@revision), loaded by kernels
+    return HUB_REPO_ID, REPO_ROOT
+
+
+def serve_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The arguments ``transformers serve`` gets for ``m3-serve argv``, and the environment it adds."""
+    hub, local = _kernel_source()
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if arg == ATTN_FLAG:
+            if i + 1 >= len(args):
+                raise SystemExit(f"m3-serve: {ATTN_FLAG} needs a value")
+            if args[i + 1] == "m3_sparse":
+                args[i + 1] = hub
+            break
+        if arg.startswith(ATTN_FLAG + "="):
+            if arg.split("=", 1)[1] == "m3_sparse":
+                args[i] = f"{ATTN_FLAG}={hub}"
+            break
+    else:
+        args += [ATTN_FLAG, hub]
+    env = {}
+    if local is not None and "LOCAL_KERNELS" not in os.environ:
+        env["LOCAL_KERNELS"] = f"{HUB_REPO_ID}={local}"
+    return args, env
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, env = serve_args(sys.argv[1:] if argv is None else argv)
+    os.environ.update(env)
+    import m3_hf_attention  # noqa: F401  (registers m3_sparse in this process)
+
+    try:
+        import typer
+        from transformers.cli.serve import Serve
+    except ImportError as e:  # transformers without its CLI extras
+        raise SystemExit(f"m3-serve: transformers' server is not available ({e}); pip install 'm3-hf-attention[serve]'")
+    # transformers' own `serve` command, alone in an app: `m3-serve [OPTIONS] MODEL`.
+    app = typer.Typer(add_completion=False)
+    app.command()(Serve)
+    app(args=args, prog_name="m3-serve")
+
+
+if __name__ == "__main__":
+    main()
