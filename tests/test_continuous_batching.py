@@ -243,6 +243,31 @@ def test_request_larger_than_the_pool_is_refused(model):
     assert second.error is None and second.generated_tokens == reference(model, small)
 
 
+def test_add_request_refuses_a_request_larger_than_the_cache(model):
+    """4 blocks of 16 = 64 token slots. A request that can never fit (prompt + max_new_tokens over
+    64) is refused with a ValueError before it is queued, and the manager serves on: a request of
+    exactly 64 (prompt + max_new_tokens) gets its own tokens, and so does one beside it."""
+    fits, beside = prompts([64 - NEW_TOKENS, 20], seed=6)
+    manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config(4))
+    manager.start()
+    try:
+        for prompt_len, new in ((100, NEW_TOKENS), (60, 5), (20, 45)):
+            with pytest.raises(ValueError, match=rf"needs up to {prompt_len + new} cache slots .* holds \(64 tokens\)"):
+                manager.add_request(prompts([prompt_len], seed=7)[0], max_new_tokens=new)
+        with pytest.raises(ValueError, match=r"needs up to 65 cache slots"):  # the generation config's max_new_tokens
+            manager.add_request(prompts([65 - NEW_TOKENS], seed=7)[0])
+        manager.add_request(fits, request_id="fits", max_new_tokens=NEW_TOKENS)
+        results = finished_results(manager, 1)
+        manager.add_request(beside, request_id="beside", max_new_tokens=NEW_TOKENS)
+        results |= finished_results(manager, 1)
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [results[k].error for k in ("fits", "beside")] == [None, None]
+    assert results["fits"].generated_tokens == reference(model, fits)
+    assert results["beside"].generated_tokens == reference(model, beside)
+
+
 def test_multimodal_model_given_text(tmp_path):
     torch.manual_seed(0)
     vl = MiniMaxM3SparseForConditionalGeneration(vl_config()).eval()

@@ -528,6 +528,36 @@ def test_partials_tma_match_torch_cuda(hq, hkv, d, page_size, block_size, dtype,
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("tma_partials")
+@pytest.mark.parametrize("tile_q,num_programs", [(4, 132), (3, 7), (1, 528)])
+def test_partials_tma_split_hot_blocks_match_torch_cuda(tile_q, num_programs):
+    """Every query of a long sequence selects its first block, and every query of a second one
+    that sequence's block 2: the scheduler cuts those heavy segments into many tiles spread
+    over programs, each tile's end read from ``tile_end`` (the Triton kernel the CPU runs
+    recomputes it, so only this GPU test sees the Gluon kernel read it)."""
+    g = gen(tile_q + num_programs)
+    batch = make_batch(g, [(2048, 2048), (900, 700)], 128)
+    q = randn(g, batch.num_tokens, 64, 128, dtype=torch.bfloat16)
+    k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+    sel = random_selection(g, batch, 4, 16, 128)
+    sel[:2048, :, 0] = 0
+    sel[2048 + 300:, :, 1] = 2  # rows at positions 500 and on: past block 2 (keys 256-383)
+    index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, tile_q, num_programs, engine="tma")
+    sched = m3_sparse.schedule(index, tile_q=tile_q, num_programs=num_programs)
+    seg = sched.tile_segment[: int(sched.num_tiles[0])].cpu()
+    tiles_per_segment = torch.bincount(seg.long())
+    assert int(tiles_per_segment.max()) >= 2048 // tile_q // 2, "test setup: want a segment cut into many tiles"
+    starts = sched.program_tiles.cpu()
+    hot = int(tiles_per_segment.argmax())
+    owners = {int(torch.searchsorted(starts, t, right=True)) - 1 for t in torch.nonzero(seg == hot).flatten().tolist()}
+    # With many programs the hot segment's tiles go to several of them (with 7, to one: 683 tiles
+    # in a row, each ended by its own tile_end).
+    if num_programs >= 132:
+        assert len(owners) > 1, "test setup: the hot segment's tiles all went to one program"
+    _check_partials(index, got, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
 @pytest.mark.parametrize("d,page_size,block_size,out_dtype", [(128, 128, 128, torch.bfloat16), (64, 64, 128, torch.float16)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_partials_tma_fp8_match_torch_cuda(d, page_size, block_size, out_dtype, causal):

@@ -49,6 +49,8 @@ plugs in:
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import weakref
 
 import torch
@@ -89,6 +91,12 @@ PAGED = "paged|"
 
 _ORIGINAL_RESOLVE_CONFIG = getattr(
     cb_api.resolve_continuous_batching_config, "m3_sparse_original", cb_api.resolve_continuous_batching_config
+)
+_ORIGINAL_ADD_REQUEST = getattr(
+    cb_api.ContinuousBatchingManager.add_request, "m3_sparse_original", cb_api.ContinuousBatchingManager.add_request
+)
+_ORIGINAL_ADD_REQUESTS = getattr(
+    cb_api.ContinuousBatchingManager.add_requests, "m3_sparse_original", cb_api.ContinuousBatchingManager.add_requests
 )
 _ORIGINAL_SWITCH = getattr(
     cb_api.ContinuousBatchingManager.switch_to_cb_friendly_attn,
@@ -329,6 +337,59 @@ def _switch_to_cb_friendly_attn(self, model, *args, **kwargs):
 
 _switch_to_cb_friendly_attn.m3_sparse_original = _ORIGINAL_SWITCH
 
+# How long add_request waits for a just-started manager's worker to build its cache.
+CACHE_WAIT_S = 30.0
+
+
+def _pool_tokens(manager) -> int | None:
+    """Tokens one request can hold in ``manager``'s cache; None when it has no cache to ask
+    (its worker not started). A worker that is starting builds the cache first thing: wait."""
+    deadline = time.monotonic() + CACHE_WAIT_S
+    while getattr(manager, "batch_processor", None) is None:
+        if not manager.is_running() or time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+    return compat.cb_pool_tokens(manager.batch_processor.cache, manager.continuous_batching_config)
+
+
+_IN_BATCH = threading.local()  # add_request called by add_requests (generate_batch)
+
+
+def _add_request(self, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+    """``ContinuousBatchingManager.add_request`` for a model running m3_sparse: a request that can
+    never fit the cache (prompt plus ``max_new_tokens`` over what an empty cache holds) is
+    refused with a ``ValueError`` before it is queued. Taken, it would make the scheduler stop
+    the manager ("No requests can be scheduled") with every request it held;
+    ``transformers serve`` answers the ValueError with a 400 and keeps serving. A request of
+    ``add_requests`` (``generate_batch``) is queued as before: there the scheduler fails that
+    request alone, and ``generate_batch`` would turn a raise into no results at all."""
+    if runs_m3_sparse(self.model.config) and not getattr(_IN_BATCH, "on", False):
+        new = self.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        need = len(input_ids) + (new or 0)
+        pool = _pool_tokens(self)
+        if pool is not None and need > pool:
+            raise ValueError(
+                f"{CB_IMPLEMENTATION}: this request needs up to {need} cache slots ({len(input_ids)} prompt tokens + "
+                f"max_new_tokens {new or 0}), more than the continuous-batching cache holds ({pool} tokens). "
+                "Shorten the prompt or max_new_tokens, or give the cache more pages (num_blocks, --cb-num-blocks); "
+                "nothing was queued."
+            )
+    return _ORIGINAL_ADD_REQUEST(self, input_ids, request_id, max_new_tokens, *args, **kwargs)
+
+
+_add_request.m3_sparse_original = _ORIGINAL_ADD_REQUEST
+
+
+def _add_requests(self, *args, **kwargs):
+    _IN_BATCH.on = True
+    try:
+        return _ORIGINAL_ADD_REQUESTS(self, *args, **kwargs)
+    finally:
+        _IN_BATCH.on = False
+
+
+_add_requests.m3_sparse_original = _ORIGINAL_ADD_REQUESTS
+
 _REGISTERED = False
 
 
@@ -336,8 +397,9 @@ def register() -> None:
     """Serve m3_sparse under transformers' continuous batching: its name there (``paged|m3_sparse``
     up to 5.18, ``m3_sparse_serving`` in 5.19-5.23, registered with :func:`paged_m3_sparse_attention`;
     from 5.19 the manager's switch, :func:`_switch_to_cb_friendly_attn`), the cache design's hooks
-    (:mod:`.serving_groups` or :mod:`.serving_allocator`), and the configuration with the decode
-    fast path and without a mask (:func:`_resolve_config`). Idempotent."""
+    (:mod:`.serving_groups` or :mod:`.serving_allocator`), the configuration with the decode
+    fast path and without a mask (:func:`_resolve_config`), and the refusal of a request larger
+    than the cache (:func:`_add_request`). Idempotent."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -346,5 +408,7 @@ def register() -> None:
     if not compat.CB_PAGED_NAMES:
         cb_api.ContinuousBatchingManager.switch_to_cb_friendly_attn = _switch_to_cb_friendly_attn
     cb_api.resolve_continuous_batching_config = _resolve_config
+    cb_api.ContinuousBatchingManager.add_request = _add_request
+    cb_api.ContinuousBatchingManager.add_requests = _add_requests
     cache_design.install()
     _REGISTERED = True

@@ -143,6 +143,13 @@ def cb_tokens_per_page(cb_config) -> int:
     return getattr(cb_config, CB_PAGE_SIZE_FIELD)
 
 
+def cb_pool_tokens(cache, cb_config) -> int:
+    """The tokens one request can hold in an empty continuous-batching cache: its whole-model
+    blocks (``num_blocks``) of ``cb_tokens_per_page`` tokens. 5.18-5.24 count a block's bytes as
+    K/V alone (not M3's index keys), so there the figure is above what the pool holds."""
+    return cache.num_blocks * cb_tokens_per_page(cb_config)
+
+
 def cb_resolve_memory_percent(cb_config, has_logit_processors: bool, device) -> None:
     """``initialization.resolve_max_memory_percent``: 5.21 gave it the device (0.6 of the free
     memory on the CPU and MPS, whose memory the host shares); before, it took none."""
