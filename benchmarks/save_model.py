@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="bench_generate's toy attention shapes")
+    p.add_argument("--no-eos", action="store_true",
+                   help="no end-of-sequence token in the configs (-1): every request generates all its max_tokens")
     args = p.parse_args(argv)
     (pattern,) = bench_generate.parse_layers(args.layers)
     # What bench_generate.build_models reads from its own arguments.
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
     models = bench_generate.build_models(args, pattern, getattr(torch, args.dtype))
     for name, key in (("m3", "sparse"), ("dense", "dense")):
         model = models[key]
+        if args.no_eos:
+            model.config.eos_token_id = model.generation_config.eos_token_id = -1
         target = args.out / f"{name}-{pattern}"
         model.save_pretrained(target)
         save_tokenizer(target, model.config.vocab_size)

@@ -67,6 +67,7 @@ RANGE_IMPORTS = ("transformers", "kernels", "kernels_data", "huggingface_hub", "
 # Test modules that run on the newest supported releases only, each with why it need not run
 # twice. They import none of RANGE_IMPORTS (tests/test_suite_rules.py checks).
 NEWEST_ONLY = {
+    "test_bench_server.py": "the benchmark's plumbing over guidellm (the server on both ends: test_serve*.py)",
     "test_ci_scripts.py": "the test scripts' own logic, over a fake pip and pytest",
     "test_docs.py": "the docs against docs/figures.json and their length limits",
     "test_gpu_check.py": "scripts/gpu_check.sh's exit codes, over a throwaway suite",

@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""``m3-serve`` under load, measured with guidellm (the vLLM project's load generator for
+OpenAI-compatible servers), against the dense twin served the same way.
+
+For each ``--layers`` pattern, benchmarks/save_model.py's checkpoints (bench_generate's
+M3-shaped model and its dense twin, with the toy tokenizer) are served one at a time by
+``m3-serve --continuous-batching`` (m3_sparse, and ``--attn-implementation sdpa`` for the twin:
+``paged|sdpa`` under the manager). guidellm then drives each server with synthetic prompts of
+``--prompt-lens`` tokens (its ``synthetic_text`` data, counted with the checkpoint's tokenizer),
+``--new-tokens`` each:
+
+* a sweep (guidellm's ``sweep`` profile: one request at a time, then as fast as the server
+  takes them, then ``--sweep-size`` - 2 constant rates between the two), each rate for
+  ``--seconds``;
+* a closed loop of ``--concurrency`` users (``concurrent``).
+
+Per run: output tok/s, requests/s, TTFT and ITL p50 / p99 (guidellm's, ITL pooled over every
+gap of every request), and goodput: requests/s of those with TTFT <= ``--ttft-slo`` ms and a mean
+ITL <= ``--itl-slo`` ms (from guidellm's per-request figures). Written to OUT: bench_server.json
+(every row, with guidellm's own JSON of each server beside it), bench_server.md and
+bench_server.png (p50 / p99 latency against output tok/s).
+
+guidellm's OpenAI backend sends vLLM's ``ignore_eos`` when the data fixes output lengths, and
+transformers' server refuses unknown fields (422); the new tokens go as the backend's
+``max_tokens`` instead, and the saved checkpoints have no end-of-sequence token, so every
+request generates them all.
+
+    python3 benchmarks/bench_server.py --layers sfs,sssfsssfsssf             # GPU, bf16
+    python3 benchmarks/bench_server.py --quick                               # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+CONFIGS = {"m3_sparse": ("m3", []), "dense": ("dense", ["--attn-implementation", "sdpa"])}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=common.default_out())
+    p.add_argument("--layers", default=None, help="patterns, comma separated (default sfs,sssfsssfsssf; --quick sf)")
+    p.add_argument("--configs", default="m3_sparse,dense", help=f"from {list(CONFIGS)}")
+    p.add_argument("--prompt-lens", default=None, help="MIN-MAX prompt tokens, k = 1024 (default 2k-32k; --quick 20-150)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; --quick 8)")
+    p.add_argument("--sweep-size", type=int, default=None, help="guidellm sweep runs (default 8; --quick 3)")
+    p.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default 64; --quick 4)")
+    p.add_argument("--seconds", type=float, default=None, help="length of each run (default 60; --quick 8)")
+    p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
+    p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="--cb-max-batch-tokens of both servers")
+    p.add_argument("--quick", action="store_true", help="toy shapes on the CPU, fp32")
+    p.add_argument("--guidellm", default=None, help="guidellm executable (default: the one beside this Python)")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.layers = common_list(args.layers or ("sf" if q else "sfs,sssfsssfsssf"))
+    args.configs = common_list(args.configs)
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad:
+        p.error(f"--configs: unknown {bad}; expected names from {list(CONFIGS)}")
+    lo, hi = (common.count(x) for x in (args.prompt_lens or ("20-150" if q else "2k-32k")).split("-"))
+    args.prompt_min, args.prompt_max = lo, hi
+    args.new_tokens = args.new_tokens or (8 if q else 64)
+    args.sweep_size = args.sweep_size or (3 if q else 8)
+    args.concurrency = args.concurrency or (4 if q else 64)
+    args.seconds = args.seconds or (8.0 if q else 60.0)
+    exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
+    if not Path(exe).exists() and shutil.which("guidellm") is None:
+        p.error("guidellm is not installed (pip install guidellm; offline: carry its wheels)")
+    args.guidellm = exe if Path(exe).exists() else shutil.which("guidellm")
+    return args
+
+
+def common_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_models(args, pattern: str, where: Path) -> Path:
+    if not (where / f"m3-{pattern}").is_dir():
+        cmd = [sys.executable, str(HERE / "save_model.py"), "--layers", pattern, "--out", str(where),
+               "--max-len", str(2 * args.prompt_max + 4 * args.new_tokens), "--no-eos"]
+        if args.quick:
+            cmd += ["--quick", "--hidden", "64", "--mlp", "64", "--vocab", "512", "--dtype", "float32"]
+        subprocess.run(cmd, check=True)
+    return where
+
+
+class ServerProcess:
+    def __init__(self, checkpoint: Path, extra: list[str], args, log: Path):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "m3_hf_attention.serve", str(checkpoint), "--continuous-batching",
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32" if args.quick else "bfloat16",
+               "--device", "cpu" if args.quick else "cuda", *extra]
+        if args.max_batch_tokens:
+            cmd += ["--cb-max-batch-tokens", str(args.max_batch_tokens)]
+        self.log = open(log, "w")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: see {log}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"the server did not answer in 600 s: see {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log: Path) -> dict:
+    mean = (args.prompt_min + args.prompt_max) // 2
+    data = (f"kind=synthetic_text,prompt_tokens={mean},prompt_tokens_stdev={(args.prompt_max - args.prompt_min) // 3},"
+            f"prompt_tokens_min={args.prompt_min},prompt_tokens_max={args.prompt_max}")
+    cmd = [args.guidellm, "run",
+           "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model},"
+                        f"request_format=/v1/completions,max_tokens={args.new_tokens}",
+           "--profile", profile, "--data", data,
+           "--constraint", f"kind=max_duration,seconds={args.seconds}",
+           "--output", f"kind=json,path={out_json}", "--disable-console"]  # fmt: skip
+    with open(log, "w") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return json.loads(out_json.read_text())
+
+
+def pct(metric: dict, name: str) -> float | None:
+    ok = (metric or {}).get("successful") or {}
+    return (ok.get("percentiles") or {}).get(name) if ok.get("count") else None
+
+
+def rows_of(report: dict, args, layers: str, config: str) -> list[dict]:
+    rows = []
+    for b in report["benchmarks"]:
+        m, strategy = b["metrics"], b["config"]["strategy"]
+        ok = b["requests"]["successful"]
+        good = [r for r in ok if (r.get("time_to_first_token_ms") or 1e18) <= args.ttft_slo
+                and (r.get("inter_token_latency_ms") or 0.0) <= args.itl_slo]
+        duration = b.get("duration") or 0.0
+        rows.append({
+            "layers": layers, "config": config, "strategy": strategy.get("type_"),
+            "rate": strategy.get("rate") or strategy.get("streams"),
+            "requests": len(ok), "errored": len(b["requests"]["errored"]),
+            "output_tok_s": (m["output_tokens_per_second"]["successful"] or {}).get("mean"),
+            "requests_s": (m["requests_per_second"]["successful"] or {}).get("mean"),
+            "ttft_p50_ms": pct(m["time_to_first_token_ms"], "p50"), "ttft_p99_ms": pct(m["time_to_first_token_ms"], "p99"),
+            "itl_p50_ms": pct(m["inter_token_latency_ms"], "p50"), "itl_p99_ms": pct(m["inter_token_latency_ms"], "p99"),
+            "goodput_requests_s": len(good) / duration if duration else None,
+            "goodput_share": len(good) / len(ok) if ok else None,
+        })  # fmt: skip
+    return rows
+
+
+def write_outputs(args, rows: list[dict], log: common.Log) -> None:
+    out = Path(args.out)
+    header = ["layers", "config", "strategy", "rate", "requests", "errored", "output tok/s", "req/s",
+              "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput share"]
+    table = [[r["layers"], r["config"], r["strategy"], common.fmt(r["rate"]), r["requests"], r["errored"],
+              common.fmt(r["output_tok_s"], 1), common.fmt(r["requests_s"]), common.fmt(r["ttft_p50_ms"], 1),
+              common.fmt(r["ttft_p99_ms"], 1), common.fmt(r["itl_p50_ms"]), common.fmt(r["itl_p99_ms"]),
+              common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])] for r in rows]  # fmt: skip
+    log(common.md_table(header, table))
+    common.write_json(out / "bench_server.json", {"environment": common.environment(), "args": vars(args), "rows": rows})
+    log.write(out / "bench_server.md")
+    plt, why = common.pyplot()
+    if plt is None:
+        log(why)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (layers, config) in sorted({(r["layers"], r["config"]) for r in rows}):
+        mine = sorted((r for r in rows if (r["layers"], r["config"]) == (layers, config) and r["output_tok_s"]),
+                      key=lambda r: r["output_tok_s"])
+        x = [r["output_tok_s"] for r in mine]
+        for ax, key in zip(axes, ("ttft", "itl")):
+            for q, style in (("p50", "-o"), ("p99", "--x")):
+                ax.plot(x, [r[f"{key}_{q}_ms"] for r in mine], style, label=f"{config} {layers} {q}")
+    for ax, title in zip(axes, ("TTFT", "ITL")):
+        ax.set(xlabel="output tok/s", ylabel=f"{title} ms", yscale="log", title=f"{title} against throughput")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench_server.png", dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = common.Log(echo=print)
+    log(*common.header("m3-serve under load (guidellm)"))
+    log(f"- prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new tokens; sweep of {args.sweep_size} "
+        f"runs and {args.concurrency} closed-loop users, {args.seconds:g} s each; goodput: TTFT <= {args.ttft_slo:g} ms "
+        f"and mean ITL <= {args.itl_slo:g} ms")
+    rows = []
+    for layers in args.layers:
+        models = save_models(args, layers, out / "models")
+        for config in args.configs:
+            name, extra = CONFIGS[config]
+            checkpoint = models / f"{name}-{layers}"
+            server = ServerProcess(checkpoint, extra, args, out / f"server-{config}-{layers}.log")
+            try:
+                for profile, tag in ((f"kind=sweep,sweep_size={args.sweep_size}", "sweep"),
+                                     (f"kind=concurrent,streams={args.concurrency}", "concurrent")):
+                    stem = f"guidellm-{config}-{layers}-{tag}"
+                    report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
+                                          out / f"{stem}.log")
+                    rows += rows_of(report, args, layers, config)
+            finally:
+                server.stop()
+    write_outputs(args, rows, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
