@@ -23,6 +23,8 @@ from m3_hf_attention.toy_tokenizer import save_tokenizer
 from model_utils import save_tiny_text_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where the servers run their model: the CPU in CI; M3_SERVE_TEST_DEVICE=cuda on a GPU machine.
+DEVICE = os.environ.get("M3_SERVE_TEST_DEVICE", "cpu")
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 30
 
@@ -50,7 +52,7 @@ class Server:
 
     checkpoint: Path
     args: list[str] = field(default_factory=list)
-    device: str = "cpu"
+    device: str = DEVICE
     proc: subprocess.Popen | None = None
     port: int = 0
     log: Path | None = None
@@ -167,7 +169,7 @@ class InProcessServer:
         state = GenerationState(
             continuous_batching=True, cb_config=ContinuousBatchingConfig(**self.cb), max_model_len=self.max_model_len
         )
-        loader = ModelLoader(device="cpu", dtype="float32", attn_implementation=hub, continuous_batching=True)
+        loader = ModelLoader(device=DEVICE, dtype="float32", attn_implementation=hub, continuous_batching=True)
         requests, results = queue.Queue(), queue.Queue()
         reader, writer = multiprocessing.Pipe(duplex=False)
         load = partial(self._load, loader, canonical_model_id(self.model))

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import m3_hf_attention  # noqa: F401  (registers m3_sparse for the reference generate())
 from m3_hf_attention.serve import serve_args
 from packaging.version import Version
-from serve_utils import Server, save_checkpoint
+from serve_utils import DEVICE, Server, save_checkpoint
 
 NEW_TOKENS = 12
 # Small pages and steps: the prompts below span several pages and are chunked.
@@ -47,11 +47,11 @@ def reference(checkpoint):
     """(tokenizer, prompt ids -> the text of its own greedy generate() on m3_sparse)."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="m3_sparse", dtype=torch.float32)
-    model.eval()
+    model.eval().to(DEVICE)
 
     def text(ids: list[int]) -> str:
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False)
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
     return tokenizer, text
