@@ -65,6 +65,17 @@ def _load_from_hub(source: str) -> ModuleType:
         ) from e
 
 
+def kernel_location() -> tuple[Path | None, str | None]:
+    """Where :func:`load_kernel` takes the kernel from: ``(a local kernel repository, None)``
+    (``M3_SPARSE_KERNEL`` naming an existing directory, else this source tree), or
+    ``(None, the hub source M3_SPARSE_KERNEL names)``."""
+    source = os.environ.get(ENV_VAR)
+    if not source:
+        return REPO_ROOT, None
+    path = Path(source).expanduser()
+    return (path.resolve(), None) if path.exists() else (None, source)
+
+
 @functools.cache
 def load_kernel() -> ModuleType:
     """Return the loaded ``m3_sparse`` kernel module.
@@ -77,19 +88,16 @@ def load_kernel() -> ModuleType:
     """
     import kernels
 
-    source = os.environ.get(ENV_VAR)
-    if source:
-        path = Path(source).expanduser()
-        if path.exists():
-            return kernels.get_local_kernel(path.resolve())
-        return _load_from_hub(source)
-    if not (REPO_ROOT / "build").is_dir():
+    local, hub = kernel_location()
+    if hub is not None:
+        return _load_from_hub(hub)
+    if local == REPO_ROOT and not (REPO_ROOT / "build").is_dir():
         raise RuntimeError(
             f"m3_hf_attention: no built kernel found at {REPO_ROOT / 'build'}. Install the package from its "
             f"source tree (pip install -e .), run `python scripts/build_kernel.py`, or set {ENV_VAR} to a kernel "
             "repository path or hub id."
         )
-    return kernels.get_local_kernel(REPO_ROOT)
+    return kernels.get_local_kernel(local)
 
 
 def kernel_module(name: str) -> ModuleType:

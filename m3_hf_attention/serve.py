@@ -27,20 +27,17 @@ import os
 import sys
 from pathlib import Path
 
-from ._kernel import ENV_VAR, HUB_REPO_ID, REPO_ROOT
+from ._kernel import HUB_REPO_ID, kernel_location
 
 ATTN_FLAG = "--attn-implementation"
 
 
 def _kernel_source() -> tuple[str, Path | None]:
-    """(the hub string transformers gets, the local kernel directory it resolves to or None)."""
-    source = os.environ.get(ENV_VAR)
-    if source:
-        path = Path(source).expanduser()
-        if path.exists():
-            return HUB_REPO_ID, path.resolve()
-        return source, None  # a hub repository (org/name or org/name@revision), loaded by kernels
-    return HUB_REPO_ID, REPO_ROOT
+    """(the hub string transformers gets, the local kernel directory it resolves to or None):
+    the kernel ``import m3_hf_attention`` loads. A hub repository (``org/name``, or
+    ``org/name@revision``, which transformers' hub strings take too) is named as it is."""
+    local, hub = kernel_location()
+    return (hub, None) if hub is not None else (HUB_REPO_ID, local)
 
 
 def serve_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
