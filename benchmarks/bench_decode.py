@@ -23,7 +23,12 @@ Sections:
   floor: bytes of the distinct selected K/V blocks (visible keys only) + q + out at 4.2 TB/s;
 * (b) crossover: the last n tokens of each sequence as queries, n in --q-tokens, one
   sequence of each context and batch variants; decode vs KV-outer, with the reuse
-  ``(token, head) selections / distinct selected blocks`` and ``nsb / N``.
+  ``(token, head) selections / distinct selected blocks`` and ``nsb / N``;
+* (d) mixed step (``--mixed CHUNK``): a serving step at the largest context, one prefill chunk
+  of CHUNK queries beside --batch decode rows. ``sparse_attention`` (KV-outer for the chunk,
+  the decode kernel's short rows for the decode rows) against ``kvouter_attention`` over every
+  row (what a mixed step ran before), and the two parts alone: the chunk through KV-outer, the
+  decode rows through the decode kernel.
 
 "in-graph" times a call inside a graph of 20 calls, each after a 256 MB L2 flush, minus the
 flushes alone (``common.in_graph_ms``); the flush zeroes a buffer (the L2 is left full of
@@ -424,6 +429,67 @@ def crossover_point(pool: Pool, b: int, n: int, args, cfg: DecodeConfig) -> dict
     return r
 
 
+def mixed_problem(pool: Pool, chunk: int, b: int, pattern: str) -> tuple[dict, dict, dict]:
+    """(d): (the step: sequence 0's last ``chunk`` tokens as a prefill chunk, then one query of
+    each of sequences 1..b; the chunk alone; the decode rows alone)."""
+    pc = pool.problem(1, chunk, pattern)
+    pd = pool.problem(b + 1, 1, pattern)
+    dev = pc["q"].device
+    rows = {x: pd[x][1:] for x in ("q", "sel", "pos")}
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), chunk + torch.arange(b + 1, dtype=torch.int32)]).to(dev)
+    kv = torch.full((b + 1,), pool.ctx, dtype=torch.int32, device=dev)
+    step = dict(k=pool.k, v=pool.v, bt=pool.bt[: b + 1].contiguous(), cu=cu, kv=kv, b=b + 1, n=chunk,
+                **{x: torch.cat([pc[x], rows[x]]) for x in rows})
+    cu_d, kv_d = common.varlen(b, 1, pool.ctx, dev)
+    decode_rows = dict(k=pool.k, v=pool.v, bt=pool.bt[1 : b + 1].contiguous(), cu=cu_d, kv=kv_d, b=b, n=1, **rows)
+    return step, pc, decode_rows
+
+
+def sparse_call(p: dict, return_lse: bool = False):
+    """The public entry that picks the kernels (``max_seqlen_q``: the longest sequence's rows)."""
+    return lambda: m3_sparse.sparse_attention(  # noqa: E731
+        p["q"], p["k"], p["v"], p["sel"], p["bt"], cu_seqlens_q=p["cu"], used_kv_lens=p["kv"], block_size=BLOCK,
+        max_seqlen_q=p["n"], return_lse=return_lse,
+    )
+
+
+def mixed_section(pool: Pool, chunk: int, args, cfg: DecodeConfig) -> dict:
+    """(d): one prefill chunk beside args.batch decode rows, at the pool's context."""
+    step, chunk_p, rows_p = mixed_problem(pool, chunk, args.batch, args.pattern)
+    st = reuse_stats(chunk_p)
+    r = dict(section="d", ctx=pool.ctx, page=pool.page, b=args.batch, n=chunk)
+    r["err_sparse"] = check(step, *sparse_call(step, True)())
+    r["err_kvouter"] = check(step, *kvouter_call(step, True)())
+    # The floor: the chunk's distinct K/V and the decode rows' blocks, each read once.
+    r["floor"] = floor_us(chunk_p, st) + floor_us(rows_p, reuse_stats(rows_p))
+    for name, fn in (("sparse", sparse_call(step)), ("kvouter", kvouter_call(step)),
+                     ("chunk", kvouter_call(chunk_p)), ("rows", decode_call(rows_p, cfg))):
+        r[f"{name}_eager"] = bench(fn, 300)
+        r[f"{name}_graph"] = bench_kvouter_graph(fn) if name != "rows" else bench_graph(fn)
+    log(
+        f"  (d) ctx {pool.ctx} chunk {chunk} + {args.batch} decode rows: sparse_attention {r['sparse_eager']:.1f} "
+        f"eager / {r['sparse_graph'] or float('nan'):.1f} graph | KV-outer, every row {r['kvouter_eager']:.1f} / "
+        f"{r['kvouter_graph'] or float('nan'):.1f} | chunk alone {r['chunk_eager']:.1f} | decode rows alone "
+        f"{r['rows_eager']:.1f} | floor {r['floor']:.1f} us | err {r['err_sparse']:.1e} / {r['err_kvouter']:.1e}"
+    )
+    del step, chunk_p, rows_p
+    common.empty_cache()
+    return r
+
+
+def table_d(rows: list) -> str:
+    def us(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    return common.md_table(
+        ["ctx", "chunk + decode rows", "sparse_attention eager", "graph", "KV-outer every row eager", "graph",
+         "chunk alone (KV-outer)", "decode rows alone", "floor"],
+        [[kib(r["ctx"]), f"{r['n']} + {r['b']}", us(r["sparse_eager"]), us(r["sparse_graph"]),
+          us(r["kvouter_eager"]), us(r["kvouter_graph"]), us(r["chunk_eager"]), us(r["rows_eager"]),
+          us(r["floor"])] for r in rows],
+    )
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -432,7 +498,8 @@ US_KEYS = {
     "decode_default_graph", "decode_eager", "decode_graph", "decode_in_graph", "decode_in_graph_clean",
     "kvouter_eager", "kvouter_graph", "dense", "floor", "decode_fp8_graph", "decode_fp8_in_graph",
     "decode_fp8_in_graph_clean", "floor_fp8", "index", "attention", "attention_kept", "step", "step_kept",
-    "index_floor", "attn_floor",
+    "index_floor", "attn_floor", "sparse_eager", "sparse_graph", "chunk_eager", "chunk_graph",
+    "rows_eager", "rows_graph",
 }
 
 
@@ -444,7 +511,7 @@ def metrics(r: dict, *skip: str) -> dict:
     return {(f"{k}_us" if k in US_KEYS else k): v for k, v in r.items() if k not in skip}
 
 
-def add_rows(results, rows_a, rows_b, rows_c):
+def add_rows(results, rows_a, rows_b, rows_c, rows_d=()):
     """The sections' figures as result rows (ms; the tables keep microseconds)."""
     for r in rows_a:
         case = f"(a) decode B={r['b']} ctx={kib(r['ctx'])} page {r['page']}"
@@ -466,6 +533,12 @@ def add_rows(results, rows_a, rows_b, rows_c):
         results.add(case, ms(r["step"]), what="index_topk + sparse_decode_attention, in graph",
                     sizes={"batch": r["b"], "ctx": r["ctx"], "q_tokens": 1}, baseline="dense SDPA",
                     baseline_ms=ms(r["dense"]), **metrics(r, "b", "ctx", "keys"))
+    for r in rows_d:
+        case = f"(d) mixed step, {r['n']}-token chunk + {r['b']} decode rows, ctx={kib(r['ctx'])}"
+        results.add(case, ms(r["sparse_eager"]), what="sparse_attention (KV-outer chunk, decode-kernel rows), eager",
+                    sizes={"batch": r["b"] + 1, "ctx": r["ctx"], "q_tokens": r["n"] + r["b"]},
+                    baseline="kvouter_attention over every row, eager", baseline_ms=ms(r["kvouter_eager"]),
+                    **metrics(r, "section", "b", "ctx", "page", "n"))
 
 
 def table_a(rows: list[dict]) -> str:
@@ -597,6 +670,8 @@ def main():
                     help="(c) index + attention decode step of one sparse layer at batch --batch x the largest context")
     ap.add_argument("--step-only", action="store_true", help="only (c) (implies --no-sweep, no (a), no (b))")
     ap.add_argument("--index-splits", default="", help="(c) also times the index kernel alone at these split counts")
+    ap.add_argument("--mixed", default="", help="(d) mixed steps: prefill chunk sizes beside --batch decode rows, "
+                    "at the largest context (e.g. 2048,8192)")
     args = ap.parse_args()
     if args.step_only:
         args.step, args.sweep, args.crossover = True, False, False
@@ -610,6 +685,7 @@ def main():
     args.batch_variants = common.int_list(args.batch_variants)
     args.variants = parse_variants(args.variants)
     args.index_splits = common.int_list(args.index_splits)
+    args.mixed = common.int_list(args.mixed)
     if SMOKE:
         args.contexts, args.page_sizes, args.batch = [512], [128, 64], 2
         args.q_tokens, args.batch_variants, args.max_tokens = [1, 4], [2], 8
@@ -640,7 +716,7 @@ def main():
         cfg, sweep_rows = sweep(pool(ctx_max, page0, args.batch), args, results)
     log(f"# default config {default_cfg}; used {cfg}")
 
-    rows_a, rows_b, rows_c = [], [], []
+    rows_a, rows_b, rows_c, rows_d = [], [], [], []
     if args.step:
         log(f"== (c) decode step, batch {args.batch} x ctx {ctx_max}, page {page0}")
         rows_c = step_section(pool(ctx_max, page0, args.batch), args, cfg)
@@ -660,6 +736,9 @@ def main():
             need = max([b2 for c2, b2, _ in jobs if c2 == ctx] + [1])
             log(f"== (b) ctx {ctx} B {b} n {n}")
             rows_b.append(crossover_point(pool(ctx, page0, need), b, n, args, cfg))
+    for chunk in args.mixed:
+        log(f"== (d) mixed step, chunk {chunk} + {args.batch} decode rows, ctx {ctx_max}, page {page0}")
+        rows_d.append(mixed_section(pool(ctx_max, page0, args.batch + 1), min(chunk, ctx_max), args, cfg))
     pools.clear()
 
     env = results.env
@@ -677,6 +756,9 @@ def main():
     if rows_b:
         md += ["", "(b) crossover: the last n tokens of each sequence are queries (page "
                f"{page0}); reuse = (token, head) selections per distinct selected block", "", table_b(rows_b)]
+    if rows_d:
+        md += ["", f"(d) mixed step: one prefill chunk beside {args.batch} decode rows (us; graph = captured and "
+               "replayed; floor: each distinct selected block read once at 4.2 TB/s)", "", table_d(rows_d)]
     if sweep_rows:
         md += ["", f"Launch sweep (kernel alone, graph replay), batch {args.batch} x {kib(ctx_max)}, page {page0}", "",
                common.md_table(["block_n", "warps", "stages", "programs/SM", "merge", "splits", "graph us", "x floor",
@@ -684,7 +766,7 @@ def main():
     if not KVOUTER_GRAPH["ok"]:
         md += ["", f"KV-outer graph capture failed: {KVOUTER_GRAPH['why']}"]
     md = "\n".join(md)
-    add_rows(results, rows_a, rows_b, rows_c)
+    add_rows(results, rows_a, rows_b, rows_c, rows_d)
     results.write()
     log.write(out_dir / "bench_decode.log", md)
     (out_dir / "bench_decode.md").write_text(md + "\n")

@@ -236,6 +236,27 @@ MUTATIONS = (
         what="a continuous-batching step writes each new token's index keys one slot before its K/V (clamped at "
              "slot 0: one slot late runs past the pool's last slot and fails the step, not the placement check)",
     ),  # fmt: skip
+    Mutation(
+        name="decode_short_rows_bound_exclusive", path="decode/attention_triton.py",
+        old="live = (q_hi - q_lo <= ROWS) & (t < q_hi)", new="live = (q_hi - q_lo < ROWS) & (t < q_hi)",
+        tests=(K + "test_triton_decode.py::test_short_rows_of_a_mixed_call",
+               K + "test_dispatch.py::test_a_kvouter_call_leaves_its_short_sequences_to_the_decode_kernel"),
+        what="in a mixed call the decode kernel skips the sequences of exactly R rows, which KV-outer left to it",
+    ),  # fmt: skip
+    Mutation(
+        name="decode_short_rows_take_long_rows", path="decode/attention_triton.py",
+        old="live = (q_hi - q_lo <= ROWS) & (t < q_hi)", new="live = t < q_hi",
+        tests=(K + "test_triton_decode.py::test_short_rows_of_a_mixed_call",),
+        what="in a mixed call the decode kernel also writes the first R rows of the long sequences (right values, "
+             "the work done twice)",
+    ),  # fmt: skip
+    Mutation(
+        name="mixed_kvouter_keeps_short_rows", path="api.py",
+        old="long_rows = args.replace(selected=args.selected.masked_fill(short[:, None, None], -1))",
+        new="long_rows = args",
+        tests=(K + "test_dispatch.py::test_a_kvouter_call_leaves_its_short_sequences_to_the_decode_kernel",),
+        what="a mixed call still runs its decode rows through KV-outer as well (right values, the work twice)",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter

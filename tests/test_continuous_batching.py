@@ -448,24 +448,8 @@ def test_config_keeps_the_decode_fast_path():
     assert outcome(resolve) == outcome(resolve.m3_sparse_original)
 
 
-@pytest.mark.skipif(compat.CB_ALLOCATORS, reason="transformers 5.17's cache (layer groups, the index keys in pools of "
-                    "their own); from 5.18 they are in the sparse allocator's pages: test_sparse_pages_hold_index_keys")
-def test_pool_sizing_counts_index_keys():
-    """The manager's memory estimate of the pool, per token slot, grows by at least the
-    sparse layers' index keys (2 sparse layers x 16 fp32 values here)."""
-    config = text_config()
-    cfg = page_config(32, max_memory_percent=0.5)
-    footprint = {}
-    for impl in ("paged|sdpa", serving.CB_IMPLEMENTATION):
-        config._attn_implementation = impl
-        handler = cb_cache.PagedAttentionMemoryHandler(config, cfg, torch.float32, ["full_attention"], 3)
-        footprint[impl] = handler.compute_memory_footprint(256, 100) - handler.compute_memory_footprint(256, 0)
-    per_slot = (footprint[serving.CB_IMPLEMENTATION] - footprint["paged|sdpa"]) / (100 * 32)
-    assert 2 * 16 * 4 <= per_slot <= 2 * (2 * 16 * 4)
-
-
 @pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the allocators of transformers 5.18 and later; 5.17's cache: "
-                    "test_pool_sizing_counts_index_keys")
+                    "test_serving_memory.py::test_no_mask_nor_read_back_is_reserved")
 def test_sparse_pages_hold_index_keys():
     """From transformers 5.18 M3's sparse layers get their own allocator, whose page holds a
     layer's K, V and index keys: the manager's sizing (bytes per block), forks and prefix

@@ -16,7 +16,9 @@
   three for that op alone.
 * per kernel, why it cannot take a call (``*_unsupported``), and on sm_90 which of two
   kernels of a stage runs (``index_engine``, ``partials_engine``);
-* the decode / KV-outer crossover of ``sparse_attention`` (``decode_max_queries``);
+* the decode / KV-outer crossover of ``sparse_attention`` (``decode_max_queries``), and
+  which sequences of a call that runs KV-outer the decode kernel takes out of it
+  (``mixed_decode_rows``);
 * the workspace slices of a long KV-outer call (``chunk_tokens``).
 
 Every choice reads host-side facts only (shapes, dtypes, the device's capability), so a
@@ -315,16 +317,39 @@ def runs_decode(args: AttnArgs) -> bool:
     return _kvouter_memory_reason(args) is not None and decode_unsupported(args) is None
 
 
+# Query rows of a sequence up to which the decode kernel runs it when other sequences of the
+# same call run KV-outer: the decode rows of a serving step, beside its prefill chunks. Each
+# sequence gets this many programs per kv head and split, most of them empty (a decode row is
+# one token), so the bound stays small; longer short sequences stay with KV-outer.
+MIXED_DECODE_ROWS = 4
+
+
+def mixed_decode_rows(args: AttnArgs) -> int:
+    """For a ``sparse_attention`` call that runs KV-outer (``runs_decode`` is False): the
+    query rows per sequence up to which a sequence runs the decode kernel instead
+    (``MIXED_DECODE_ROWS``), or 0 where every row runs KV-outer: a call of one sequence, one
+    the decode kernel cannot take, or one the torch code runs (it computes each row on its
+    own whichever way)."""
+    if args.batch < 2 or decode_unsupported(args) is not None:
+        return 0
+    return MIXED_DECODE_ROWS if use_triton(args.q, kvouter_unsupported(args)) else 0
+
+
 # --------------------------------------------------------------------------- workspace slices
 # Partial-buffer budget of one KV-outer call; longer prompts run in query slices.
 DEFAULT_WORKSPACE_BYTES = 4 << 30
 
 
+def kvouter_bytes_per_row(slots: int, group: int, d: int, elem_bytes: int) -> int:
+    """Bytes of KV-outer partials one query row takes: ``slots`` = Hkv * topk entries, each
+    of G query heads with D values of ``elem_bytes`` plus fp32 m and l."""
+    return slots * group * (d * elem_bytes + 8)
+
+
 def chunk_tokens(num_tokens: int, slots: int, group: int, d: int, elem_bytes: int, budget: int) -> int:
-    """Query rows per KV-outer slice: the partials of one row (``slots`` = Hkv * topk
-    entries of G rows of D values plus fp32 m and l) times the rows stay within
-    ``budget`` bytes, at least one row."""
-    per_token = max(1, slots * group * (d * elem_bytes + 8))
+    """Query rows per KV-outer slice: the partials of one row (``kvouter_bytes_per_row``)
+    times the rows stay within ``budget`` bytes, at least one row."""
+    per_token = max(1, kvouter_bytes_per_row(slots, group, d, elem_bytes))
     return max(1, min(max(num_tokens, 1), budget // per_token))
 
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_5bff46f232"
+NAMESPACE = "_m3_sparse_cuda_f871d3b457"
 
 ops = getattr(torch.ops, NAMESPACE)
 

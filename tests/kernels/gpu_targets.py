@@ -292,7 +292,9 @@ def calls() -> dict[str, Call]:
         "sparse decode, fp8 K/V, bf16 q": Call(lambda: attention(sparse, decode, kv=FP8), fp8=True),
         "sparse decode, fp8 q/K/V, one split": Call(lambda: attention(sparse, many, q=FP8), fp8=True),
         # sparse attention: KV-outer (index build, schedule, partials, combine)
+        # (Two sequences: the decode kernel's short-row variant launches beside KV-outer.)
         "sparse prefill (KV-outer)": Call(lambda: attention(sparse, prefill)),
+        "sparse prefill, fp8 q/K/V": Call(lambda: attention(sparse, prefill, q=FP8), fp8=True),
         "KV-outer, tl partials": Call(lambda: attention(kvouter, prefill, config=KVOuterConfig(engine="triton"))),
         "KV-outer, fp16, G = 3, D = 64, bidirectional": Call(
             lambda: attention(kvouter, Batch(2, 512, p=16, w=256), hq=12, hkv=4, d=64, block=64, q=FP16, causal=False)),

@@ -126,3 +126,65 @@ def test_decode_row_bound_follows_the_kvouter_kernel(monkeypatch):
     # The tl kernel asked for by a config: the TMA kernel is not considered.
     tl_only = m3_sparse.KVOuterConfig(engine="triton")
     assert _dispatch.tma_partials_reason(q, k, k, 128, None, None, 4, 0, cfg=tl_only) == "engine='triton'"
+
+
+def test_a_kvouter_call_leaves_its_short_sequences_to_the_decode_kernel(monkeypatch):
+    """A call past the decode bound whose other sequences bring at most MIXED_DECODE_ROWS rows
+    (a serving step: prefill chunks beside decode rows): KV-outer gets the long sequences'
+    selections only (the short ones' emptied), the decode kernel writes the short ones' rows,
+    and every row matches the oracle, the rows that see nothing included."""
+    from m3_sparse import api
+    from m3_sparse.decode import attention_triton as decode_triton
+
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")  # the kernels, in the interpreter on a CPU
+    rows = _dispatch.MIXED_DECODE_ROWS
+    bound = rows + 6
+    monkeypatch.setattr(_dispatch, "DECODE_MAX_QUERIES", bound)
+    monkeypatch.setattr(_dispatch, "DECODE_MAX_QUERIES_TL", bound)
+    # Decode rows, short chunks at and past the row bound, a long chunk, a sequence with no
+    # key, one with no rows.
+    seqs = [(33, 1), (60, bound + 3), (9, rows), (70, rows + 1), (5, 2), (0, 2), (12, 0), (40, 1)]
+    g = gen(31)
+    batch = make_batch(g, seqs, 16)
+    q = randn(g, batch.num_tokens, 4, 16)
+    k, v = batch.kv_cache(g, 2, 16), batch.kv_cache(g, 2, 16)
+    sel = random_selection(g, batch, 2, 3, 16)
+    given = []
+    real_kvouter = api._kvouter
+    monkeypatch.setattr(api, "_kvouter", lambda args, *rest: given.append(args.selected) or real_kvouter(args, *rest))
+    launches = []
+    real_run = decode_triton.DecodeLaunch.run
+    monkeypatch.setattr(decode_triton.DecodeLaunch, "run",
+                        lambda self, *a, **kw: launches.append(self.rows_per_seq) or real_run(self, *a, **kw))
+    args = (q, k, v, sel, batch.block_tables)
+    out, lse = m3_sparse.sparse_attention(*args, **batch.kwargs(), block_size=16, max_seqlen_q=bound + 3,
+                                          return_lse=True)
+    short = torch.tensor([n <= rows for _, n in seqs for _ in range(n)])
+    assert launches == [rows] and len(given) == 1
+    assert torch.all(given[0][short] == -1), "KV-outer was given a short sequence's selections"
+    assert torch.equal(given[0][~short], sel[~short])
+    ref = sparse_attention_ref(*args, batch.cu_seqlens_q, batch.used_kv_lens, None, True, 16)
+    assert_close("out", ref[0], out, TOLERANCES[torch.float32])
+    assert_close("lse", ref[1], lse, TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("case", ["one_sequence", "torch", "decode_cannot"])
+def test_a_kvouter_call_keeps_every_row_where_the_split_buys_nothing(case, monkeypatch):
+    """No decode rows are taken out of a call of one sequence, of the torch code (each row is
+    computed on its own either way), or of a call the decode kernel cannot take (top-k past
+    its limit)."""
+    monkeypatch.setenv("M3_SPARSE_IMPL", "torch" if case == "torch" else "triton")
+    topk = 80 if case == "decode_cannot" else 3
+    seqs = [(40, 20)] if case == "one_sequence" else [(40, 20), (9, 1)]
+    g = gen(32)
+    batch = make_batch(g, seqs, 16)
+    q = randn(g, batch.num_tokens, 4, 16)
+    k = batch.kv_cache(g, 2, 16)
+    sel = random_selection(g, batch, 2, topk, 16)
+    args = AttnArgs(q=q, k_cache=k, v_cache=k, block_tables=batch.block_tables, cu_seqlens_q=batch.cu_seqlens_q,
+                    used_kv_lens=batch.used_kv_lens, batch=len(seqs), softmax_scale=1.0, causal=True,
+                    return_lse=False, scales=None, out_dtype=q.dtype, selected=sel, block_size=16)
+    assert _dispatch.mixed_decode_rows(args) == 0
+    # What changes it: a second sequence and a top-k the decode kernel takes (the Triton code).
+    two = args.replace(batch=2, selected=sel[..., :3])
+    assert _dispatch.mixed_decode_rows(two) == (0 if case == "torch" else _dispatch.MIXED_DECODE_ROWS)

@@ -309,6 +309,62 @@ def test_without_lse_and_without_tokens():
     assert e[0].shape == (0, 4, 16) and e[1].shape == (4, 0)
 
 
+# --------------------------------------------------------------------------- short rows of a mixed call
+
+# (kv_len, q_len): decode rows and short sequences (1..4 rows) beside longer chunks (5 and 20
+# rows, which KV-outer owns in a mixed call), one with no rows, one whose rows precede its keys.
+MIXED_SEQS = [(45, 1), (130, 20), (9, 3), (3, 4), (0, 0), (70, 5), (20, 2), (1, 3)]
+SHORT_ROWS = 4
+
+
+def _short_mask(seqs, rows) -> torch.Tensor:
+    """[Tq] bool: the rows of sequences of at most ``rows`` query rows."""
+    return torch.tensor([n <= rows for _, n in seqs for _ in range(n)])
+
+
+@pytest.mark.parametrize("num_splits,fused_merge", [(None, True), (1, True), (3, True), (3, False)],
+                         ids=["default", "one_split", "splits", "splits_merge_kernel_asked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_rows_of_a_mixed_call(num_splits, fused_merge, dtype):
+    """``rows_per_seq``: the rows of sequences of at most R query rows come out as the oracle's,
+    written into the given outputs; every other row keeps what they held (a poison value, bit
+    for bit), in out and lse. Splits merge in the launch even when the merge kernel is asked
+    for (it numbers workspace rows by token)."""
+    from m3_sparse.core.validate import attention_args
+
+    batch, q, k, v, sel = _setup(211, MIXED_SEQS, 16, 32, 8, 2, 16, 4, dtype)
+    ref_out, ref_lse = _oracle(batch, q, k, v, sel, 32)
+    short = _short_mask(MIXED_SEQS, SHORT_ROWS)
+    assert short.any() and (~short).any()
+    bt, cu, kv = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    args = attention_args(*_to(q, k, v), bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=None, causal=True,
+                          return_lse=True, block_size=32, selected=_to(sel)[0])
+    cfg = decplan.DecodeConfig(num_splits=num_splits, fused_merge=fused_merge)
+    launch = tdec.DecodeLaunch(args, cfg, rows_per_seq=SHORT_ROWS)
+    # One program per (sequence, row) and kv head: the 20-row chunk costs no more than a decode row.
+    assert launch.grid[:2] == (len(MIXED_SEQS) * SHORT_ROWS, 2)
+    out = torch.full(q.shape, 7.0, dtype=dtype, device=DEVICE)
+    lse = torch.full((q.shape[1], q.shape[0]), 7.0, device=DEVICE)
+    got = launch.run(*_to(q, k, v, sel), out=out, lse=lse)
+    assert got[0] is out and got[1] is lse
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.all(out[~short] == 7.0) and torch.all(lse[:, ~short] == 7.0), "a long sequence's row was written"
+    _check("short rows", (ref_out[short], ref_lse[:, short]), out[short], lse[:, short], dtype)
+
+
+def test_short_rows_need_outputs_to_write_into():
+    from m3_sparse.core.validate import attention_args
+
+    batch, q, k, v, sel = _setup(212, [(30, 2), (40, 9)], 16, 16, 4, 2, 16, 2, torch.float32)
+    args = attention_args(q, k, v, batch.block_tables, **batch.kwargs(), selected=sel, block_size=16,
+                          softmax_scale=None, causal=True, return_lse=False)
+    launch = tdec.DecodeLaunch(args, rows_per_seq=2)
+    with pytest.raises(ValueError, match="given outputs"):
+        launch.run(q, k, v, sel)
+    with pytest.raises(ValueError, match="rows_per_seq"):
+        tdec.DecodeLaunch(args, rows_per_seq=-1)
+
+
 # --------------------------------------------------------------------------- public entry point
 
 
@@ -401,7 +457,7 @@ def build(kernel, constexprs, pointers, num_warps, num_stages=3):
 def split_case(dtype, num_warps, **kw):
     out = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     cx = dict(G=16, RP=16, D=128, BD=128, BS=128, BN=64, PS=128, TOPK_P2=16, CAUSAL=True, FINAL=False,
-              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, PREC=None, Q_FP8=False, KV_FP8=False,
+              RETURN_LSE=True, SEQ_CHUNK=32, SEQ_STEPS=1, ROWS=0, PREC=None, Q_FP8=False, KV_FP8=False,
               WIDEN_K=False, PV_DT=out.get(dtype, tl.bfloat16))
     kv_dtype = kw.pop("kv_dtype", dtype)
     cx.update(kw)
@@ -417,6 +473,7 @@ res = {}
 cases = {
     "m3": lambda: split_case("bf16", 4),  # M3 decode: page 128, chunks of 64 keys, partials merged in place
     "m3-merge-kernel": lambda: split_case("bf16", 4, MERGE=False),  # partials merged by a second launch
+    "m3-short-rows": lambda: split_case("bf16", 4, ROWS=4),  # the decode rows of a mixed call
     "final-page64": lambda: split_case("bf16", 8, FINAL=True, PS=64, BN=128, SEQ_STEPS=3),  # chunks over two pages
     "fp16-g64": lambda: split_case("fp16", 4, G=64, RP=64, PS=16, BN=16, BS=64, TOPK_P2=32),
     "fp32-d96": lambda: split_case("fp32", 4, G=1, D=96, PREC="ieee"),
@@ -446,7 +503,8 @@ def test_kernels_compile_for_sm90():
     res = aot_compile(SM90_SCRIPT)
     bad = {k: v["error"] for k, v in res.items() if not v["ok"]}
     assert not bad, f"kernels that do not compile for sm_90: {bad}"
-    assert res["m3"]["pipelined"], "K/V loads of the M3 configuration are not pipelined"
+    for case in ("m3", "m3-short-rows"):
+        assert res[case]["pipelined"], f"K/V loads of the M3 configuration ({case}) are not pipelined"
 
 
 # --------------------------------------------------------------------------- CUDA, full size
@@ -503,4 +561,41 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         out, lse = call()
+        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+@pytest.mark.gpu
+def test_mixed_step_m3_shapes_match_torch_cuda(monkeypatch):
+    """A serving step at M3's shapes: a 2K-row prefill chunk over a history and a 300-row one,
+    beside decode rows and short chunks. ``sparse_attention`` runs KV-outer for the chunks and
+    the decode kernel's short rows for the rest (both launches seen), against the torch code;
+    captured in a CUDA graph, its replays give the same outputs."""
+    seqs = [(6144, 2048), (5000, 1), (129, 1), (77, 3), (1300, 4), (700, 300), (2048, 1), (90, 5)]
+    batch, q, k, v, sel = _setup(303, seqs, 128, 128, 64, 4, 128, 16, torch.bfloat16)
+    qd, kd, vd, sd, bt, cu, kv = _to(q, k, v, sel, batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+
+    def call():
+        return m3_sparse.sparse_attention(
+            qd, kd, vd, sd, bt, cu_seqlens_q=cu, used_kv_lens=kv, block_size=128, max_seqlen_q=2048, return_lse=True
+        )
+
+    monkeypatch.setenv("M3_SPARSE_IMPL", "torch")
+    ref = call()
+    monkeypatch.delenv("M3_SPARSE_IMPL")
+    launches = []
+    real_run = tdec.DecodeLaunch.run
+    monkeypatch.setattr(tdec.DecodeLaunch, "run",
+                        lambda self, *a, **kw: launches.append(self.rows_per_seq) or real_run(self, *a, **kw))
+    out, lse = call()
+    assert launches == [m3_sparse.dispatch.MIXED_DECODE_ROWS]
+    assert_close("out", ref[0].float(), out.float(), TOLERANCES[torch.bfloat16])
+    assert_close("lse", ref[1], lse, LSE_TOL)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = call()
+    for _ in range(2):
+        g_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
         assert torch.equal(g_out, out) and torch.equal(g_lse, lse)

@@ -26,7 +26,7 @@ from . import dispatch
 # Raised where a GPU cannot run a call (its compute capability); re-exported by the package.
 from .dispatch import UnsupportedGPUError  # noqa: F401
 from .core.args import AttnArgs, IndexArgs, tensor_meta
-from .core.layout import chunk_varlen, token_positions
+from .core.layout import chunk_varlen, token_positions, token_seq_ids
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
 from .decode.plan import DEFAULT_CONFIG as DECODE_DEFAULTS
@@ -416,6 +416,17 @@ def kvouter_partials_gpu(
     return _partials_gpu(args, index, sched, config or KVOUTER_DEFAULTS)
 
 
+def kvouter_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, topk: int, dtype: torch.dtype) -> int:
+    """Bytes a KV-outer call on the kernels allocates per query row beside its output (host
+    arithmetic, for sizing memory pools): the partials, one o ``[D]`` in ``dtype`` (the partial
+    dtype) and fp32 m and l per (kv head, top-k slot, query head of the group), and the index,
+    4 int32 per (kv head, slot). A call past ``dispatch.DEFAULT_WORKSPACE_BYTES`` of partials
+    runs in slices: this is then an upper bound."""
+    slots = num_kv_heads * topk
+    index = 4 * torch.int32.itemsize * slots
+    return dispatch.kvouter_bytes_per_row(slots, num_heads // num_kv_heads, head_dim, dtype.itemsize) + index
+
+
 # --------------------------------------------------------------------------- decode
 @attention_op(without=("max_seqlen_q", "partial_dtype"))
 def sparse_decode_attention(
@@ -457,6 +468,10 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
     most ``dispatch.decode_max_queries`` query rows each, where few queries share a block,
     else KV-outer (:func:`kvouter_attention`). Same arguments and results as both.
 
+    In a KV-outer call of several sequences on the kernels, the sequences of at most
+    ``dispatch.MIXED_DECODE_ROWS`` rows (a serving step's decode rows beside its prefill
+    chunks) run the decode kernel (:func:`_mixed`).
+
     ``max_seqlen_q``: an upper bound of the query rows of one sequence (a host int; the
     number of query tokens ``Tq`` stands in when it is not given). Never read from the
     device, so the choice costs no sync and a captured graph keeps it. ``partial_dtype``
@@ -469,7 +484,28 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
 def _sparse(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     if dispatch.runs_decode(args):
         return _decode(args, DECODE_DEFAULTS)
+    rows = dispatch.mixed_decode_rows(args)
+    if rows:
+        return _mixed(args, rows)
     return _kvouter(args, KVOUTER_DEFAULTS, None)
+
+
+def _mixed(args: AttnArgs, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A KV-outer call whose sequences of at most ``rows`` query rows (decode rows beside
+    prefill chunks) run the decode kernel: KV-outer over the others (the short ones'
+    selections emptied, so they add no entries, partials or tiles, and come out as rows
+    that see nothing), then the decode kernel writes the short rows into its outputs."""
+    # Rows past the last sequence (a padded step's) count as the last sequence's: they see
+    # nothing either way.
+    seq = token_seq_ids(args.cu_seqlens_q, args.num_tokens).clamp(max=args.batch - 1)  # [Tq]
+    q_lens = args.cu_seqlens_q[1:] - args.cu_seqlens_q[:-1]  # [B]
+    short = (q_lens <= rows)[seq]  # [Tq] the rows the decode kernel takes
+    long_rows = args.replace(selected=args.selected.masked_fill(short[:, None, None], -1))
+    out, lse = _kvouter(long_rows, KVOUTER_DEFAULTS, None)
+    from .decode import attention_triton as decode_triton
+
+    launch = decode_triton.DecodeLaunch(args, DECODE_DEFAULTS, rows_per_seq=rows)
+    return launch.run(args.q, args.k_cache, args.v_cache, args.selected, out=out, lse=lse)
 
 
 @attention_op()

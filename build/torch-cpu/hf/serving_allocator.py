@@ -15,8 +15,10 @@ them (an index key, like K/V, depends only on the tokens up to it), and counted 
 What transformers' manager needs beside the registry, and gets here (:func:`install`):
 ``ContinuousBatchingIOs`` keeps the key lengths of full and sliding attention only (rows of one
 input tensor); the sparse type reads the full-attention row (:func:`_setup_static_tensors`):
-its layers keep every token, so their key lengths are the same. On 5.18,
-``group_layers_by_attn_type`` takes the registry's types too (:func:`_group_layers`).
+its layers keep every token, so their key lengths are the same. ``PagedAttentionMemoryHandler``
+reserves what an eager or sdpa step allocates beside the cache; :class:`_MemoryHandler`
+reserves what m3_sparse allocates instead. On 5.18, ``group_layers_by_attn_type`` takes the
+registry's types too (:func:`_group_layers`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from transformers.generation.continuous_batching import input_outputs as cb_io
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from . import compat
-from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for
+from .serving_layout import (
+    CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse, sparse_step_bytes,
+)
 
 FULL_LAYER_TYPE = "full_attention"  # FullAttentionCacheAllocator's layer type (its registry key)
 _INT32_MAX = 2**31 - 1
@@ -280,6 +284,9 @@ _ORIGINAL_SETUP_STATIC_TENSORS = getattr(
 _ORIGINAL_GROUP_LAYERS = getattr(
     cb_cache.group_layers_by_attn_type, "m3_sparse_original", cb_cache.group_layers_by_attn_type
 )
+_ORIGINAL_MEMORY_HANDLER = getattr(
+    cb_cache.PagedAttentionMemoryHandler, "m3_sparse_original", cb_cache.PagedAttentionMemoryHandler
+)
 
 
 def _setup_static_tensors(self, *args, **kwargs):
@@ -317,10 +324,37 @@ def _group_layers(config):
 _group_layers.m3_sparse_original = _ORIGINAL_GROUP_LAYERS
 
 
+class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
+    """transformers' sizing of the cache (``max_memory_percent`` of the free memory), for a model
+    running m3_sparse without what only an eager or sdpa step allocates: the attention masks
+    (``num_attention_masks``) and the K/V read back from the cache with the KV heads repeated to
+    the query heads (``kv_heads_at_peak``: per batch token at the attention peak and per cache
+    token), since the kernels read the pools in place. What m3_sparse allocates per batch token
+    instead (``sparse_step_bytes``) is added to transformers' figure, whose largest
+    peak may be the LM head's, which never coincides with it: the estimate errs towards a
+    smaller pool. Other models get transformers' figures."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.sparse_step_bytes = 0
+        if runs_m3_sparse(config):
+            self.num_attention_masks = 0
+            self.kv_heads_at_peak = 0
+            self.sparse_step_bytes = sparse_step_bytes(config, self.activation_dtype)
+
+    @property
+    def bytes_per_batch_token(self) -> int:
+        return super().bytes_per_batch_token + self.sparse_step_bytes
+
+
+_MemoryHandler.m3_sparse_original = _ORIGINAL_MEMORY_HANDLER
+
+
 def install() -> None:
-    """Register :class:`M3SparseCacheAllocator` for M3's sparse layer type and let the manager's
-    inputs carry that type's key lengths."""
+    """Register :class:`M3SparseCacheAllocator` for M3's sparse layer type, let the manager's
+    inputs carry that type's key lengths and size the cache for what m3_sparse allocates."""
     cb_cache.ATTN_TYPE_TO_ALLOCATOR[SPARSE_LAYER_TYPE] = M3SparseCacheAllocator
     cb_io.ContinuousBatchingIOs._setup_static_tensors = _setup_static_tensors
+    cb_cache.PagedAttentionMemoryHandler = _MemoryHandler
     if not compat.CB_GROUPS_FROM_REGISTRY:
         cb_cache.group_layers_by_attn_type = _group_layers

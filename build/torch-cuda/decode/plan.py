@@ -115,8 +115,9 @@ def shape_reason(args: AttnArgs) -> str | None:
     return None
 
 
-def plan(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG) -> DecodePlan:
-    """The tiling of ``args`` (pure: shapes, dtypes and the SM count)."""
+def plan(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, rows: int | None = None) -> DecodePlan:
+    """The tiling of ``args`` (pure: shapes, dtypes and the SM count). ``rows``: the query
+    rows the splits are sized for (default: all of the call's)."""
     bn = chunk_keys(args.block_size, cfg.block_n)
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
@@ -129,7 +130,7 @@ def plan(args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG) -> DecodePlan:
     num_splits = cfg.num_splits
     if num_splits is None:
         num_splits = default_num_splits(
-            args.num_tokens, args.hkv, args.selected.shape[2], args.block_size, args.q.device, bn, cfg
+            args.num_tokens if rows is None else rows, args.hkv, args.selected.shape[2], args.block_size, args.q.device, bn, cfg
         )
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:

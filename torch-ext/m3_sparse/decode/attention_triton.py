@@ -36,10 +36,18 @@ its (token, kv head) (an arrival count per pair) does the merge in the same laun
 The split count comes from shapes only (enough programs to cover the GPU a few
 times over); no device value is read on the host, so a call can be captured in a
 CUDA graph.
+
+**Short rows of a mixed call** (``rows_per_seq``): a step that mixes prefill chunks with
+decode rows runs KV-outer for the chunks, and this kernel for the sequences of at most
+``R`` query rows, writing into KV-outer's outputs. The grid's first axis is then
+``(sequence, row)`` pairs, ``B * R`` of them, rather than the tokens: a program knows its
+sequence without a search, and the prefill rows cost no program at all. A program whose
+sequence has more than ``R`` rows, or fewer than its row, writes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -109,41 +117,61 @@ def _decode_split_kernel(
     RETURN_LSE: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
     SEQ_STEPS: tl.constexpr,
+    ROWS: tl.constexpr,
     PREC: tl.constexpr,
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
     WIDEN_K: tl.constexpr,
     PV_DT: tl.constexpr,
 ):
-    """One (token, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
+    """One (token, kv head, split), or with ROWS > 0 one (sequence, row, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
     ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace, and with MERGE the
     split that finishes last for its (token, kv head) merges all of them into
     ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: int32 [Tq * Hkv] arrival counts, zero on
     entry; the merging split sets its pair's count back to zero).
     fp8 inputs: the q and k scales fold into qk_scale, V is widened to PV_DT (the
-    output dtype) for P @ V."""
+    output dtype) for P @ V. Workspace rows and arrival counts are numbered by the grid's
+    first axis (the token, or the (sequence, row) pair)."""
     CPB: tl.constexpr = BS // BN  # key chunks per block
     ONE_PAGE: tl.constexpr = BN <= PS  # a chunk never straddles pages (both powers of two)
     PPB: tl.constexpr = BS // PS if BS > PS else 1  # pages per block
-    t = tl.program_id(0)
+    w = tl.program_id(0)  # the workspace's and the arrival counts' row
     g = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
 
-    # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
-    # whole vectors of cu (one load for a decode batch) rather than a binary search,
-    # whose log2(B) dependent loads would each wait a full memory latency. Unrolled: a
-    # runtime loop here keeps Triton from pipelining the main loop's loads.
-    offs_b = tl.arange(0, SEQ_CHUNK)
-    seq = t * 0
-    for i in tl.static_range(SEQ_STEPS):
-        b_i = i * SEQ_CHUNK + offs_b
-        b_end = tl.load(cu_ptr + 1 + b_i, mask=b_i < num_seqs, other=2147483647)
-        seq += tl.sum((b_end <= t).to(tl.int32), 0)
+    if ROWS > 0:
+        # Row w % ROWS of sequence w // ROWS, live if that sequence has at most ROWS rows
+        # (else KV-outer owns them) and at least this one.
+        seq = w // ROWS
+        q_lo = tl.load(cu_ptr + seq).to(tl.int32)
+        q_hi = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        t = q_lo + w % ROWS
+        live = (q_hi - q_lo <= ROWS) & (t < q_hi)
+        # A program that is not live reads no selection slot (so it has no key chunk to load)
+        # and no head row: every load of q and store of a result is masked by the rows.
+        # (Counts rather than a mask and-ed with `live`: the interpreter widens that to int32.)
+        n_slots = tl.where(live, topk, 0)
+        n_rows = tl.where(live, G, 0)
+    else:
+        # The sequence of token t = how many sequence ends cu[1..B] are <= t. Counted over
+        # whole vectors of cu (one load for a decode batch) rather than a binary search,
+        # whose log2(B) dependent loads would each wait a full memory latency. Unrolled: a
+        # runtime loop here keeps Triton from pipelining the main loop's loads.
+        t = w
+        offs_b = tl.arange(0, SEQ_CHUNK)
+        seq = t * 0
+        for i in tl.static_range(SEQ_STEPS):
+            b_i = i * SEQ_CHUNK + offs_b
+            b_end = tl.load(cu_ptr + 1 + b_i, mask=b_i < num_seqs, other=2147483647)
+            seq += tl.sum((b_end <= t).to(tl.int32), 0)
+        q_hi = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        n_slots = topk
+        n_rows = G
     kv_len = tl.load(kvlen_ptr + seq).to(tl.int32)
     # Queries are the last tokens of their sequence: position = kv_len - q_end + t.
-    pos = kv_len - tl.load(cu_ptr + seq + 1).to(tl.int32) + t
+    pos = kv_len - q_hi + t
     if CAUSAL:
         lim = tl.minimum(pos, kv_len - 1)
     else:
@@ -153,7 +181,7 @@ def _decode_split_kernel(
 
     offs_k = tl.arange(0, TOPK_P2)
     p_sel = sel_ptr + t.to(tl.int64) * stride_st + g * stride_sg + offs_k * stride_sk
-    b_ids = tl.load(p_sel, mask=offs_k < topk, other=-1).to(tl.int32)  # [TOPK_P2]
+    b_ids = tl.load(p_sel, mask=offs_k < n_slots, other=-1).to(tl.int32)  # [TOPK_P2]
     b_ok = (b_ids >= 0) & (b_ids * BS <= lim)
     # A repeated id counts once: only its first slot is kept.
     b_same = (b_ids[:, None] == b_ids[None, :]) & (offs_k[None, :] < offs_k[:, None])  # [TOPK_P2, TOPK_P2]
@@ -172,7 +200,7 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     d_ok = offs_d < D
-    row_ok = offs_r < G
+    row_ok = offs_r < n_rows
     head = g * G + offs_r
     p_q = q_ptr + t.to(tl.int64) * stride_qt + head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [RP, BD]
@@ -232,7 +260,7 @@ def _decode_split_kernel(
             tl.store(m_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
     else:
         # Workspace rows ((t * Hkv + g) * S + split) * G + r: one contiguous G x D run.
-        pair = t.to(tl.int64) * tl.num_programs(1) + g
+        pair = w.to(tl.int64) * tl.num_programs(1) + g
         ws_row = (pair * num_splits + split) * G + offs_r
         tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(m_ptr + ws_row, m_i, mask=row_ok)
@@ -293,13 +321,20 @@ class DecodeLaunch:
     """The decode kernel's launch for one checked call, planned once (split count, tiles,
     the kernel's constants, the metadata as the kernel reads it). :meth:`run` launches it
     for tensors of the call's shapes, strides and dtypes: a decode step's sparse layers
-    make the same call on their own pools, queries and selections."""
+    make the same call on their own pools, queries and selections.
 
-    def __init__(self, args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG):
+    ``rows_per_seq`` (``R`` > 0): only the rows of sequences of at most ``R`` query rows
+    are computed, written into the outputs :meth:`run` is given; the other rows keep what
+    those held (the short rows of a mixed call, see the module docstring)."""
+
+    def __init__(self, args: AttnArgs, cfg: DecodeConfig = DEFAULT_CONFIG, rows_per_seq: int = 0):
         why = shape_reason(args)
         if why is not None:
             raise ValueError(why)
+        if rows_per_seq < 0:
+            raise ValueError(f"rows_per_seq: expected >= 0 (0: every row), got {rows_per_seq}")
         self.args = args
+        self.rows_per_seq = rows_per_seq
         self.block_tables, self.cu_seqlens_q, self.used_kv_lens = contiguous(
             args.block_tables, args.cu_seqlens_q, args.used_kv_lens
         )
@@ -307,9 +342,18 @@ class DecodeLaunch:
         self.empty = num_tokens == 0 or batch == 0 or topk == 0
         if self.empty:
             return
-        p = self.plan = plan(args, cfg)
-        self.grid = (num_tokens, args.hkv, p.num_splits)
-        self.ws_rows = num_tokens * args.hkv * p.num_splits * args.group
+        # Programs of the grid's first axis: the tokens, or (sequence, row) pairs. With
+        # short rows the splits are sized for one row per sequence (a decode step's).
+        programs = batch * rows_per_seq if rows_per_seq else num_tokens
+        p = plan(args, cfg, rows=batch if rows_per_seq else None)
+        if rows_per_seq and not p.final:
+            # The merge kernel finds a workspace row's token from its number, which here
+            # counts (sequence, row) pairs: the splits merge in the launch instead.
+            p = dataclasses.replace(p, merge=True)
+        self.plan = p
+        self.grid = (programs, args.hkv, p.num_splits)
+        self.pairs = programs * args.hkv
+        self.ws_rows = self.pairs * p.num_splits * args.group
         seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
         self.ints = (num_tokens, batch, topk, self.block_tables.shape[1] * args.page_size)
         self.scale = float(args.softmax_scale) * LOG2E
@@ -317,7 +361,7 @@ class DecodeLaunch:
             G=args.group, RP=p.rp, D=args.d, BD=p.bd, BS=args.block_size, BN=p.bn, PS=args.page_size,
             TOPK_P2=max(2, next_pow2(topk)),
             CAUSAL=args.causal, FINAL=p.final, MERGE=p.merge, RETURN_LSE=args.return_lse,
-            SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk),
+            SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk), ROWS=rows_per_seq,
             PREC="ieee" if args.q.dtype == torch.float32 else None,
             Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
             PV_DT=tl_dtype(args.out_dtype),
@@ -327,18 +371,23 @@ class DecodeLaunch:
             # Made from plain values: a launch an op call drops frees them at once (StreamBuffers).
             self.scratch = StreamBuffers(functools.partial(split_workspaces, self.ws_rows, args.d))
             if p.merge:  # zeros, which every launch leaves zero
-                self.counts = StreamBuffers(functools.partial(_zero_counts, num_tokens * args.hkv))
+                self.counts = StreamBuffers(functools.partial(_zero_counts, self.pairs))
 
-    def run(self, q, k_cache, v_cache, selected, arrival_counts=None):
+    def run(self, q, k_cache, v_cache, selected, arrival_counts=None, out=None, lse=None):
         """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
-        dtypes are the planned call's: ``api.PlannedAttention`` checks them)."""
+        dtypes are the planned call's: ``api.PlannedAttention`` checks them). ``out`` /
+        ``lse``: outputs to write into (the call's shapes and dtypes, ``lse`` only if the
+        call returns it), else new ones; a launch with ``rows_per_seq`` needs them."""
         args = self.args
-        out, lse = args.new_outputs(no_keys=args.selected.shape[2] == 0)
+        if out is None:
+            if self.rows_per_seq:
+                raise ValueError("a decode launch of short rows writes into given outputs: pass out (and lse)")
+            out, lse = args.new_outputs(no_keys=args.selected.shape[2] == 0)
         if self.empty:
             return out, lse
         p, device = self.plan, q.device
         if arrival_counts is not None:
-            arrival_counts = _check_counts(arrival_counts, args.num_tokens * args.hkv, device)
+            arrival_counts = _check_counts(arrival_counts, self.pairs, device)
         counts = None
         if p.final:
             o_buf, m_buf, l_buf = out, (lse if lse is not None else out), out

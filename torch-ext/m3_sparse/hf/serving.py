@@ -33,7 +33,8 @@ plugs in:
   :class:`ServingLayer`: the module's ``cache.update(k, v, layer_idx)`` writes K/V at the new
   tokens' slots and returns the pools, the indexer writes its index keys and selects blocks
   with ``index_topk`` (:func:`select_blocks`), and :func:`paged_m3_sparse_attention` attends
-  with ``sparse_attention`` (the decode kernel or KV-outer from ``max_length_q``), or
+  with ``sparse_attention`` (the decode kernel or KV-outer from ``max_length_q``; in a step
+  with a prefill chunk, KV-outer for the chunks and the decode kernel for the decode rows), or
   ``dense_paged_attention`` for full-attention layers, on views of the manager's own cache.
 * **The decode fast path.** When every request brings one token (and ``max_blocks_per_request
   > 0``), ``block_table`` ``[groups, R, max_blocks_per_request]`` (``-1`` past a request's

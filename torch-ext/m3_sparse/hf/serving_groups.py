@@ -12,9 +12,10 @@ every token's K/V, and all layers share one block table. Each sparse layer keeps
 in a pool of its own, ``[(num_blocks + 2) * block_size, Di]``, indexed by the same slots as its
 K/V: they live in the blocks the manager allocates, are freed with them and shared with them
 by prefix caching (an index key, like K/V, depends only on the tokens up to it).
-``PagedAttentionMemoryHandler`` sizes the cache from the per-token K/V bytes of all layers;
-:class:`_MemoryHandler` counts the index keys too. ``PagedAttentionCache.copy_cache`` copies a
-forked request's blocks in K/V; :func:`_copy_cache` copies their index keys too.
+``PagedAttentionMemoryHandler`` sizes the cache from the per-token K/V bytes of all layers and
+what an eager or sdpa step allocates; :class:`_MemoryHandler` counts the index keys too and
+reserves what m3_sparse allocates instead. ``PagedAttentionCache.copy_cache`` copies a forked
+request's blocks in K/V; :func:`_copy_cache` copies their index keys too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import copy
 import torch
 from transformers.generation.continuous_batching import cache as cb_cache
 
-from .serving_layout import CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse
+from .serving_layout import (
+    CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse, sparse_step_bytes,
+)
 
 _ORIGINAL_GROUP_LAYERS = getattr(
     cb_cache.group_layers_by_attn_type, "m3_sparse_original", cb_cache.group_layers_by_attn_type
@@ -51,18 +54,38 @@ _group_layers.m3_sparse_original = _ORIGINAL_GROUP_LAYERS
 
 
 class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
-    """transformers' sizing of the cache (``max_memory_percent`` of the free memory), with the
-    index keys of the sparse layers counted in each token's bytes: they are spread over the
-    ``2 * group_size`` cache tensors that ``page_size`` (elements per tensor and token) stands for,
-    rounded up. The activation terms that read ``page_size`` grow with it: the estimate errs
-    towards a smaller pool."""
+    """transformers' sizing of the cache (``max_memory_percent`` of the free memory) for a model
+    running m3_sparse (others get transformers' own):
+
+    * the index keys of the sparse layers counted in each token's bytes: they are spread over
+      the ``2 * group_size`` cache tensors that ``page_size`` (elements per tensor and token)
+      stands for, rounded up. The new K/V of the attention peak, which read ``page_size``, grow
+      with it: the estimate errs towards a smaller pool;
+    * no attention mask (the ``M * N`` and ``M * M`` terms) and no K/V read back from the cache
+      (the attention peak's ``delta_n``): the kernels read the pools in place;
+    * what m3_sparse allocates per batch token instead (``sparse_step_bytes``), added
+      to the attention peak's ``delta_m``.
+    """
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        self.m3_sparse = runs_m3_sparse(config)
+        if not self.m3_sparse:
+            return
         types = getattr(config, "layer_types", None) or []
         sparse = sum(t == SPARSE_LAYER_TYPE for t in types)
-        if runs_m3_sparse(config) and sparse:
+        if sparse:
             self.page_size += -(-sparse * config.index_head_dim // (2 * self.group_size))
+        self.num_attention_masks = 0
+        self.sparse_step_bytes = sparse_step_bytes(config, self.activation_dtype)
+
+    @property
+    def activation_peak(self) -> dict[str, tuple[int, ...]]:
+        peaks = super().activation_peak
+        if self.m3_sparse:
+            delta_m, _, delta_mm, delta_mn = peaks["attention"]
+            peaks["attention"] = (delta_m + self.sparse_step_bytes, 0, delta_mm, delta_mn)
+        return peaks
 
 
 _MemoryHandler.m3_sparse_original = _ORIGINAL_MEMORY_HANDLER

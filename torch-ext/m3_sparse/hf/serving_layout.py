@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from .. import api
 from ..core.validate import SUPPORTED_PAGE_SIZES
 from . import compat
 from .impl import ATTN_IMPLEMENTATION, names_m3_sparse
@@ -35,6 +36,23 @@ def runs_m3_sparse(config) -> bool:
     with or without ``paged|``, or this package's serving name."""
     impl = getattr(config, "_attn_implementation", None)
     return isinstance(impl, str) and (impl == compat.CB_SERVING_NAME or names_m3_sparse(impl.removeprefix("paged|")))
+
+
+def sparse_step_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes ``paged|m3_sparse`` allocates per batch token at a sparse layer's peak beyond the
+    hidden states, query projection and new K/V that transformers' attention peak counts, and
+    instead of its ``[M, N + M]`` mask and K/V read back from the cache (the kernels read the
+    pools in place; nothing grows with the cache): KV-outer's partials and index
+    (``api.kvouter_bytes_per_row``, partials in the activation dtype), the attention output
+    ``[T, Hq, D]``, the index branch's queries and key ``[T, Hi * Di + Di]`` and its selection
+    ``[T, Hi, topk]`` int32. It errs high: the config's heads where tensor parallelism gives a
+    rank fewer, and partials counted for every row where a long step runs them in slices.
+    Each cache design's memory handler (``serving_groups``, ``serving_allocator``) reserves it."""
+    hq, hkv, d, topk = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.index_topk_blocks
+    hi, di, size = config.index_n_heads, config.index_head_dim, dtype.itemsize
+    output = hq * d * size
+    index_branch = (hi * di + di) * size + hi * topk * torch.int32.itemsize
+    return api.kvouter_bytes_per_row(hq, hkv, d, topk, dtype) + output + index_branch
 
 
 def page_size_for(tokens_per_page: int) -> int:
