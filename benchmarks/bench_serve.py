@@ -151,6 +151,9 @@ def parse_args(argv=None):
                    help="cache blocks (default: every request's prompt and new tokens at once)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="query tokens per step (default 8192; --quick 64, so prompts are chunked)")
+    p.add_argument("--scheduler", default="fifo", choices=["fifo", "prefill_first"],
+                   help="ContinuousBatchingConfig.scheduler_type: transformers' FIFO (decode rows first) or its "
+                   "prefill-first scheduler (default fifo)")
     p.add_argument("--check", nargs="?", const="all", default=None, metavar="CONFIGS",
                    help="compare every request's tokens with its own generate(), in every configuration or in those "
                    "named (comma separated); on with --quick; in bf16 a token may differ at a near tie, and passes "
@@ -220,7 +223,8 @@ def gen_config(new_tokens: int) -> GenerationConfig:
 def cb_config(args, prompts) -> ContinuousBatchingConfig:
     blocks = args.num_blocks or sum(-(-(len(p) + args.new_tokens + 1) // args.block_size) for p in prompts)
     pages = {SERVING.compat.CB_PAGE_SIZE_FIELD: args.block_size}
-    return ContinuousBatchingConfig(**pages, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens)
+    return ContinuousBatchingConfig(**pages, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
+                                    scheduler_type=args.scheduler)
 
 
 @dataclass
@@ -610,7 +614,7 @@ def setup_lines(args, env, prompts) -> list[str]:
         f"{', '.join('all at once' if r == 0 else f'{r:g} requests/s' for r in args.rates)}.",
         f"- Continuous batching: block size {args.block_size}, "
         f"{args.num_blocks or 'enough'} blocks{'' if args.num_blocks else ' for every request at once'}, "
-        f"max_batch_tokens {args.max_batch_tokens}; a fresh manager per run.",
+        f"max_batch_tokens {args.max_batch_tokens}, scheduler {args.scheduler}; a fresh manager per run.",
         "- TTFT: first token's stamp less the request's add_request time; ITL: gaps between a request's "
         "consecutive tokens, all requests pooled; output tok/s: generated tokens / (last token - first arrival); "
         "peak: torch.cuda.max_memory_allocated over the run, weights and cache included.",

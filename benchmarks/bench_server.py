@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
     p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="--cb-max-batch-tokens of both servers")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="--cb-num-blocks of both servers (default: transformers sizes the pool from the free memory; "
+                   "--quick 1024, since on the CPU that would be most of the host's memory)")
     p.add_argument("--quick", action="store_true", help="toy shapes on the CPU, fp32")
     p.add_argument("--guidellm", default=None, help="guidellm executable (default: the one beside this Python)")
     args = p.parse_args(argv)
@@ -79,6 +82,7 @@ def parse_args(argv=None):
     args.sweep_size = args.sweep_size or (3 if q else 8)
     args.concurrency = args.concurrency or (4 if q else 64)
     args.seconds = args.seconds or (8.0 if q else 60.0)
+    args.num_blocks = args.num_blocks or (1024 if q else None)
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
     if not Path(exe).exists() and shutil.which("guidellm") is None:
         p.error("guidellm is not installed (pip install guidellm; offline: carry its wheels)")
@@ -114,6 +118,8 @@ class ServerProcess:
                "--device", "cpu" if args.quick else "cuda", *extra]
         if args.max_batch_tokens:
             cmd += ["--cb-max-batch-tokens", str(args.max_batch_tokens)]
+        if args.num_blocks:
+            cmd += ["--cb-num-blocks", str(args.num_blocks)]
         self.log = open(log, "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -212,3 +212,16 @@ def test_the_dense_twin_has_no_flash_attention():
     from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
 
     assert MiniMaxM3VLForCausalLM._supports_flash_attn is False
+
+
+def test_scheduler_flag_reaches_the_manager_config():
+    """``--scheduler`` picks transformers' scheduler of each run's manager (its ITL knob beside
+    ``--max-batch-tokens``); FIFO unless asked."""
+    bench_serve = import_bench_serve()
+    base = ["--layers", "sf", "--configs", "m3_sparse", "--device", "cpu", "--max-batch-tokens", "512"]
+    prompts = [[1] * 40, [1] * 700]
+    for flags, want in (([], "fifo"), (["--scheduler", "prefill_first"], "prefill_first")):
+        config = bench_serve.cb_config(bench_serve.parse_args(base + flags), prompts)
+        assert (config.scheduler_type, config.max_batch_tokens) == (want, 512)
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(base + ["--scheduler", "lifo"])
