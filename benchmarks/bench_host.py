@@ -107,20 +107,9 @@ def planned(on: bool):
         attention.PLANNED_MAX_QUERIES = bound
 
 
-@contextmanager
 def direct_launches(on: bool):
-    """``core.launch``'s direct launches on (its default) or off, its caches emptied when changed."""
-    launch = kernel_module("core.launch")
-    releases = launch.DIRECT_LAUNCH_TRITON
-    if not on:
-        launch.DIRECT_LAUNCH_TRITON = ()
-        launch._launch_cache.clear()
-    try:
-        yield
-    finally:
-        if not on:
-            launch.DIRECT_LAUNCH_TRITON = releases
-            launch._launch_cache.clear()
+    """The loaded kernel's direct launches on (its default) or off (``common.direct_launches``)."""
+    return common.direct_launches(kernel_module("core.launch"), on)
 
 
 def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=None) -> tuple[float, dict]:

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 import m3_sparse  # noqa: E402
 from m3_sparse import KVOuterConfig, api, dispatch  # noqa: E402
+from m3_sparse.core import launch  # noqa: E402
 from m3_sparse.kvouter import build_triton, partials_triton, schedule_triton  # noqa: E402
 from m3_sparse.kvouter import plan as kv_plan  # noqa: E402
 from m3_sparse.kvouter import combine_triton as combine_module  # noqa: E402
@@ -241,6 +242,11 @@ def run_config(name, pattern, n_seq, seq_len, args):
     del parts
     r["t_module"] = common.median_ms(module)
     r["t_module_ahead"] = common.host_ahead_ms(module)
+    # Host time of one call (an eager forward's share), with the tl kernels launched directly
+    # after their first call (the default) and with every launch through Triton.
+    r["host_module"] = common.host_ms(module)
+    with common.direct_launches(launch, False):
+        r["host_module_triton"] = common.host_ms(module)
     r["flops"] = 4 * D * GROUP * useful_keys(sel, seq_len)
     tr = traffic(index, n)
     r.update(bytes_attn=tr["attn"], bytes_comb=tr["combine"], bytes=tr["module"], nsb=tr["nsb"], used=tr["used"])
@@ -256,7 +262,8 @@ def run_config(name, pattern, n_seq, seq_len, args):
         f"  build {r['t_build']:.3f} (torch {r['t_build_torch']:.3f}) sched {r['t_sched']:.3f} "
         f"(torch {r['t_sched_torch']:.3f}) attn [{ran}] {r['t_attn']:.3f} (tl kernel {r['t_attn_tl']:.3f}, "
         f"rel. diff {eng_diff:.1e}) comb {r['t_comb']:.3f} "
-        f"module {r['t_module']:.3f} ms (host ahead {r['t_module_ahead']:.3f}) | attn {r['flops'] / r['t_attn'] / 1e9:.0f} TFLOP/s, "
+        f"module {r['t_module']:.3f} ms (host ahead {r['t_module_ahead']:.3f}; host time {r['host_module']:.3f}, "
+        f"through Triton {r['host_module_triton']:.3f}) | attn {r['flops'] / r['t_attn'] / 1e9:.0f} TFLOP/s, "
         f"attn {tr['attn'] / r['t_attn'] / 1e6:.0f} GB/s, comb {tr['combine'] / r['t_comb'] / 1e6:.0f} GB/s | "
         f"floor {r['floor']:.2f} ms | err {err:.2e} | tiles {r['num_tiles']} nsb {r['nsb']}"
     )
@@ -288,7 +295,8 @@ def add_rows(results, r, n_seq, seq_len):
     results.add(case, r["t_module"], what="module: kvouter_attention (Triton stages)", sizes=sizes,
                 baseline=f"cuDNN SDPA dense causal ({r['dense_note']})" if "dense_note" in r else None,
                 baseline_ms=r.get("t_dense"),
-                host_ahead_ms=r["t_module_ahead"], floor_ms=r["floor"], flops=r["flops"], bytes=r["bytes"],
+                host_ahead_ms=r["t_module_ahead"], host_time_ms=r["host_module"],
+                host_time_triton_launches_ms=r["host_module_triton"], floor_ms=r["floor"], flops=r["flops"], bytes=r["bytes"],
                 err=r["err"], partials_engine=r["engine"], workspace_bytes=r["workspace"], num_tiles=r["num_tiles"],
                 nsb=r["nsb"], used_entries=r["used"], flex_ms=r["t_flex"], flex_note=r["flex_note"])
     results.add(case, r["t_build"], what="index build (Triton)", sizes=sizes, baseline="index build (torch)",

@@ -456,6 +456,41 @@ def host_ahead_ms(fn, reps: int = 5, lead_ms: float = 50.0) -> float:
     return t
 
 
+def host_ms(fn, reps: int = 21, lead_ms: float = 20.0) -> float:
+    """Median host time of issuing one call (``perf_counter`` around it), each while a spin
+    kernel holds the GPU for ``lead_ms``, so that no call waits on the GPU: what the call
+    costs the host of an eager forward pass."""
+    if SMOKE:
+        return wall_ms(fn)
+    fn()
+    torch.cuda.synchronize()
+    cycles = spin_cycles(lead_ms)
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def direct_launches(launch, on: bool):
+    """The direct launches of ``launch`` (the kernel package's ``core.launch``) on (its
+    default) or off, its caches emptied when changed."""
+    releases = launch.DIRECT_LAUNCH_TRITON
+    if not on:
+        launch.DIRECT_LAUNCH_TRITON = ()
+        launch._launch_cache.clear()
+    try:
+        yield
+    finally:
+        if not on:
+            launch.DIRECT_LAUNCH_TRITON = releases
+            launch._launch_cache.clear()
+
+
 def in_graph_ms(fn, *, calls: int = 20, reps: int = 15, flush_mode: str = "write") -> float:
     """Median ms per call inside one graph of ``calls`` calls, each after an L2 flush
     (``L2Flush``), minus a graph of the flushes alone: what a call costs inside a captured

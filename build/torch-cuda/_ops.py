@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_f871d3b457"
+NAMESPACE = "_m3_sparse_cuda_daf2dd485a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

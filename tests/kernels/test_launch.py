@@ -4,7 +4,7 @@ an unaligned address, an int of another value or type) never reuses another call
 
 The key is checked on the CPU; the launches on a CUDA device (the decode kernel, with the
 direct path on and off, an unaligned query and a profiler's launch hook; the dense kernel's
-TMA descriptors and its split merge)."""
+TMA descriptors and its split merge; KV-outer's tl kernels and the page-tail kernel)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import m3_sparse  # noqa: E402
-from kernel_test_utils import gen, randn, skip_unless_tma  # noqa: E402
+from kernel_test_utils import gen, make_batch, randn, random_selection, skip_unless_tma  # noqa: E402
 from m3_sparse.core import launch  # noqa: E402
 from m3_sparse.decode.plan import DecodeConfig  # noqa: E402
 from m3_sparse.dense.plan import DenseConfig  # noqa: E402
+from m3_sparse.kvouter.plan import KVOuterConfig  # noqa: E402
 
 
 def test_key_separates_what_triton_specializes():
@@ -203,3 +204,45 @@ def test_direct_dense_launches_match_triton_launches(monkeypatch, splits):
     for got in (first, again):
         assert torch.equal(got[0], through_triton[0]) and torch.equal(got[1], through_triton[1])
     torch.testing.assert_close(first[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_direct_kvouter_launches_match_triton_launches(monkeypatch):
+    """A KV-outer call's tl kernels (the index build's three passes, the schedule, the tl
+    partials, the combine) and the dense path's page-tail kernel, launched directly after
+    their first call, give what launches through Triton give, bit for bit."""
+    from m3_sparse.dense import tails_triton
+    from m3_sparse.dense.tails import clear_page_tails_torch
+    from m3_sparse.kvouter import build_triton, combine_triton, partials_triton, schedule_triton
+
+    g = gen(5)
+    batch = make_batch(g, [(300, 40), (90, 9), (50, 1)], 32)
+    q = randn(g, batch.num_tokens, 8, 64, dtype=torch.bfloat16).cuda()
+    k, v = (batch.kv_cache(g, 2, 64, torch.bfloat16).cuda() for _ in range(2))
+    sel = random_selection(g, batch, 2, 4, 32).cuda()
+    tables, cu, lens = (t.cuda() for t in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    cfg = KVOuterConfig(engine="triton")
+
+    def run():
+        out, lse = m3_sparse.kvouter_attention(q, k, v, sel, tables, cu_seqlens_q=cu, used_kv_lens=lens,
+                                               block_size=32, return_lse=True, config=cfg)
+        cleared = k.clone()
+        tails_triton.clear_page_tails(cleared, v.clone(), tables, lens)
+        return out, lse, cleared
+
+    first, again = run(), run()
+    kernels = [build_triton._chunk_rank_kernel, build_triton._chunk_scan_kernel, build_triton._scatter_kernel,
+               schedule_triton._emit_tiles_kernel, partials_triton._kvouter_partials_kernel,
+               combine_triton._combine_kernel, tails_triton._clear_page_tails_kernel]
+    for kernel in kernels:
+        if launch._cache_for(kernel) is not None:
+            assert launch._launch_cache[kernel], f"{kernel} was not kept for direct launches"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_TRITON", ())
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    through_triton = run()
+    for got in (first, again):
+        assert all(torch.equal(a, b) for a, b in zip(got, through_triton))
+    ref = k.clone()
+    clear_page_tails_torch(ref, v.clone(), tables, lens)
+    assert torch.equal(first[2], ref)

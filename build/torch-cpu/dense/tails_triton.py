@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.launch import next_pow2
+from ..core.launch import launch_kernel, next_pow2
 
 
 @triton.jit
@@ -58,7 +58,8 @@ def clear_page_tails(
     _, hkv, page_size, d = k_cache.shape
     if batch == 0 or page_size == 0:
         return
-    _clear_page_tails_kernel[(batch, hkv)](
+    launch_kernel(
+        _clear_page_tails_kernel, (batch, hkv),
         k_cache, v_cache, block_tables, used_kv_lens,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 import torch
 
-from ..core.launch import contiguous, next_pow2
+from ..core.launch import contiguous, launch_kernel, next_pow2
 from ..core.validate import check_positive_int
 from .build import KVOuterIndex, validate_build
 
@@ -337,16 +337,19 @@ def build_kvouter_index_triton(
     bb = max(2, next_pow2(batch))
     strides = selected.stride()
     unroll = tk <= UNROLL_TOPK
-    _chunk_rank_kernel[(max_chunks, hkv)](
+    launch_kernel(
+        _chunk_rank_kernel, (max_chunks, hkv),
         selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb,
         UNROLL=unroll, KEY64=max_blocks * chunk * tk >= KEY32_LIMIT, num_warps=4,
     )  # fmt: skip
     blk = min(SCAN_BLOCKS, next_pow2(max_blocks))
-    _chunk_scan_kernel[(triton.cdiv(max_blocks, blk), hkv, batch)](
+    launch_kernel(
+        _chunk_scan_kernel, (triton.cdiv(max_blocks, blk), hkv, batch),
         cu, counts, totals, batch, hkv, max_blocks, C=chunk, BB=bb, BLK=blk, U=SCAN_CHUNKS, num_warps=4
     )
     torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
-    _scatter_kernel[(max_chunks, hkv)](
+    launch_kernel(
+        _scatter_kernel, (max_chunks, hkv),
         selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
         batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb, UNROLL=unroll, num_warps=4,
     )  # fmt: skip

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.launch import next_pow2
+from ..core.launch import launch_kernel, next_pow2
 from ..core.validate import FP8_DTYPES, default_out_dtype
 from .combine import check_o_scale
 
@@ -173,7 +173,8 @@ def combine_triton(
     bt = max(1, next_pow2(rows) // gp)
     bd = max(16, next_pow2(d))
     grid = (triton.cdiv(num_tokens, bt), hkv)
-    _combine_kernel[grid](
+    launch_kernel(
+        _combine_kernel, grid,
         partial_o,
         partial_m,
         partial_l,

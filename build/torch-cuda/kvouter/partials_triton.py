@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..core.args import AttnArgs
 from ..core.interpreter import dot, to_e4m3
-from ..core.launch import contiguous, interpreting, next_pow2, tl_dtype
+from ..core.launch import contiguous, interpreting, launch_kernel, next_pow2, tl_dtype
 from ..core.online_softmax import fold_fp8_scales
 from .build import KVOuterIndex
 from .partials import empty_partials
@@ -273,7 +273,8 @@ def kvouter_partials_tl(
     num_warps = cfg.num_warps or (4 if tq * gp <= cfg.tile_rows else 8)
     num_stages = cfg.num_stages or 1
     extra = {} if cfg.maxnreg is None or interpreting() else {"maxnreg": cfg.maxnreg}
-    _kvouter_partials_kernel[(sched.num_programs,)](
+    launch_kernel(
+        _kvouter_partials_kernel, (sched.num_programs,),
         q, k_cache, v_cache, block_tables, cu_seqlens_q, used_kv_lens,
         index.entry_token, index.seg_offsets,
         sched.tile_segment, sched.tile_start, sched.tile_end, sched.program_tiles,

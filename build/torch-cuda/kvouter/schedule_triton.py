@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 import torch
 
-from ..core.launch import next_pow2
+from ..core.launch import launch_kernel, next_pow2
 from ..core.validate import check_positive_int
 from .build import KVOuterIndex
 from .schedule import Schedule, max_tiles_for
@@ -84,7 +84,8 @@ def schedule_triton(index: KVOuterIndex, *, tile_q: int, num_programs: int) -> S
     num_tiles = torch.empty(1, dtype=torch.int32, device=device)
     program_tiles = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
     grid = (index.num_segments + triton.cdiv(max_tiles, EMIT_TILES),)
-    _emit_tiles_kernel[grid](
+    launch_kernel(
+        _emit_tiles_kernel, grid,
         offs,
         tile_base,
         tile_arrays[0],
