@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_daf2dd485a"
+NAMESPACE = "_m3_sparse_cpu_9ff1fea797"
 
 ops = getattr(torch.ops, NAMESPACE)
 

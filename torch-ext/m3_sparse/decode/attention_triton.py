@@ -124,11 +124,12 @@ def _decode_split_kernel(
     WIDEN_K: tl.constexpr,
     PV_DT: tl.constexpr,
 ):
-    """One (token, kv head, split), or with ROWS > 0 one (sequence, row, kv head, split). FINAL (a single split): ``o_ptr`` is the output and
-    ``m_ptr`` the lse [Hq, Tq]; else o/m/l are the split workspace, and with MERGE the
-    split that finishes last for its (token, kv head) merges all of them into
-    ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: int32 [Tq * Hkv] arrival counts, zero on
-    entry; the merging split sets its pair's count back to zero).
+    """One (token, kv head, split), or with ROWS > 0 one (sequence, row, kv head, split).
+    FINAL (a single split): ``o_ptr`` is the output and ``m_ptr`` the lse [Hq, Tq]; else
+    o/m/l are the split workspace, and with MERGE the split that finishes last for its
+    (token, kv head) merges all of them into ``out_ptr`` / ``lse_ptr`` (``cnt_ptr``: int32
+    arrival counts, one per program of the first two grid axes, zero on entry; the merging
+    split sets its pair's count back to zero).
     fp8 inputs: the q and k scales fold into qk_scale, V is widened to PV_DT (the
     output dtype) for P @ V. Workspace rows and arrival counts are numbered by the grid's
     first axis (the token, or the (sequence, row) pair)."""
@@ -259,7 +260,7 @@ def _decode_split_kernel(
             b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
             tl.store(m_ptr + head.to(tl.int64) * num_tokens + t, b_lse, mask=row_ok)
     else:
-        # Workspace rows ((t * Hkv + g) * S + split) * G + r: one contiguous G x D run.
+        # Workspace rows ((w * Hkv + g) * S + split) * G + r: one contiguous G x D run.
         pair = w.to(tl.int64) * tl.num_programs(1) + g
         ws_row = (pair * num_splits + split) * G + offs_r
         tl.store(o_ptr + ws_row[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
