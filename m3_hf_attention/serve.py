@@ -4,7 +4,8 @@ transformers' server takes ``--attn-implementation`` as a name it knows or a hub
 string, and a command line cannot ``import m3_hf_attention`` first. So this command does
 three things and hands every argument to transformers' CLI unchanged otherwise:
 
-* without ``--attn-implementation`` (or with ``m3_sparse``) it passes this kernel's hub string,
+* without ``--attn-implementation`` (or with ``m3_sparse``, or ``paged|m3_sparse``, the name
+  continuous batching gives it) it passes this kernel's hub string,
   :data:`HUB_REPO_ID`. transformers loads that through ``kernels``, and the kernel brings the
   whole integration: the paged cache, the mask function and, under ``--continuous-batching``,
   the serving allocator;
@@ -30,6 +31,9 @@ from pathlib import Path
 from ._kernel import HUB_REPO_ID, kernel_location
 
 ATTN_FLAG = "--attn-implementation"
+# The names this package registers in a process, which transformers' server would refuse: the
+# command passes the hub string in their place.
+OWN_NAMES = ("m3_sparse", "paged|m3_sparse")
 
 
 def _kernel_source() -> tuple[str, Path | None]:
@@ -48,11 +52,11 @@ def serve_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         if arg == ATTN_FLAG:
             if i + 1 >= len(args):
                 raise SystemExit(f"m3-serve: {ATTN_FLAG} needs a value")
-            if args[i + 1] == "m3_sparse":
+            if args[i + 1] in OWN_NAMES:
                 args[i + 1] = hub
             break
         if arg.startswith(ATTN_FLAG + "="):
-            if arg.split("=", 1)[1] == "m3_sparse":
+            if arg.split("=", 1)[1] in OWN_NAMES:
                 args[i] = f"{ATTN_FLAG}={hub}"
             break
     else:

@@ -79,6 +79,7 @@ def test_m3_serve_names_this_kernel_and_passes_the_rest_on(monkeypatch):
     # m3_sparse, which transformers' server would refuse, becomes the hub string; others pass through.
     assert serve_args(["/m", "--attn-implementation", "m3_sparse"])[0][-1] == m3_hf_attention._kernel.HUB_REPO_ID
     assert serve_args(["/m", "--attn-implementation=m3_sparse"])[0][-1].endswith("=" + m3_hf_attention._kernel.HUB_REPO_ID)
+    assert serve_args(["/m", "--attn-implementation", "paged|m3_sparse"])[0][-1] == m3_hf_attention._kernel.HUB_REPO_ID
     assert serve_args(["/m", "--attn-implementation", "sdpa"])[0][-1] == "sdpa"
     monkeypatch.setenv("LOCAL_KERNELS", "a/b=/c")
     assert serve_args(["/m"])[1] == {}  # the user's mapping is kept
