@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_9ff1fea797"
+NAMESPACE = "_m3_sparse_cpu_98a50ab79b"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -424,7 +424,7 @@ def kvouter_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, topk
     runs in slices: this is then an upper bound."""
     slots = num_kv_heads * topk
     index = 4 * torch.int32.itemsize * slots
-    return dispatch.kvouter_bytes_per_row(slots, num_heads // num_kv_heads, head_dim, dtype.itemsize) + index
+    return dispatch.partial_bytes_per_row(slots, num_heads // num_kv_heads, head_dim, dtype.itemsize) + index
 
 
 # --------------------------------------------------------------------------- decode

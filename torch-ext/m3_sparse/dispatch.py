@@ -340,16 +340,16 @@ def mixed_decode_rows(args: AttnArgs) -> int:
 DEFAULT_WORKSPACE_BYTES = 4 << 30
 
 
-def kvouter_bytes_per_row(slots: int, group: int, d: int, elem_bytes: int) -> int:
+def partial_bytes_per_row(slots: int, group: int, d: int, elem_bytes: int) -> int:
     """Bytes of KV-outer partials one query row takes: ``slots`` = Hkv * topk entries, each
     of G query heads with D values of ``elem_bytes`` plus fp32 m and l."""
     return slots * group * (d * elem_bytes + 8)
 
 
 def chunk_tokens(num_tokens: int, slots: int, group: int, d: int, elem_bytes: int, budget: int) -> int:
-    """Query rows per KV-outer slice: the partials of one row (``kvouter_bytes_per_row``)
+    """Query rows per KV-outer slice: the partials of one row (``partial_bytes_per_row``)
     times the rows stay within ``budget`` bytes, at least one row."""
-    per_token = max(1, kvouter_bytes_per_row(slots, group, d, elem_bytes))
+    per_token = max(1, partial_bytes_per_row(slots, group, d, elem_bytes))
     return max(1, min(max(num_tokens, 1), budget // per_token))
 
 
