@@ -244,18 +244,23 @@ def test_request_larger_than_the_pool_is_refused(model):
 
 
 def test_add_request_refuses_a_request_larger_than_the_cache(model):
-    """4 blocks of 16 = 64 token slots. A request that can never fit (prompt + max_new_tokens over
-    64) is refused with a ValueError before it is queued, and the manager serves on: a request of
-    exactly 64 (prompt + max_new_tokens) gets its own tokens, and so does one beside it."""
-    fits, beside = prompts([64 - NEW_TOKENS, 20], seed=6)
+    """A cache of 4 blocks of 16: 64 token slots for one request on every release (from 5.18
+    counted in the whole sectors each allocator takes; 5.18 to 5.24's own block count says 80,
+    and a request of 80 would stop the manager). A request that can never fit (prompt +
+    max_new_tokens over what the cache holds) is refused with a ValueError before it is queued,
+    and the manager serves on: a request of exactly 64 (prompt + max_new_tokens) gets its own
+    tokens, and so does one beside it."""
     manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config(4))
     manager.start()
     try:
-        for prompt_len, new in ((100, NEW_TOKENS), (60, 5), (20, 45)):
-            with pytest.raises(ValueError, match=rf"needs up to {prompt_len + new} cache slots .* holds \(64 tokens\)"):
+        pool = serving._pool_tokens(manager)
+        assert pool == 64
+        fits, beside = prompts([pool - NEW_TOKENS, 20], seed=6)
+        for prompt_len, new in ((pool + 36, NEW_TOKENS), (pool - 4, 5), (20, pool - 19)):
+            with pytest.raises(ValueError, match=rf"needs up to {prompt_len + new} cache slots .* holds \({pool} tokens\)"):
                 manager.add_request(prompts([prompt_len], seed=7)[0], max_new_tokens=new)
-        with pytest.raises(ValueError, match=r"needs up to 65 cache slots"):  # the generation config's max_new_tokens
-            manager.add_request(prompts([65 - NEW_TOKENS], seed=7)[0])
+        with pytest.raises(ValueError, match=rf"needs up to {pool + 1} cache slots"):  # the config's max_new_tokens
+            manager.add_request(prompts([pool + 1 - NEW_TOKENS], seed=7)[0])
         manager.add_request(fits, request_id="fits", max_new_tokens=NEW_TOKENS)
         results = finished_results(manager, 1)
         manager.add_request(beside, request_id="beside", max_new_tokens=NEW_TOKENS)
@@ -342,19 +347,32 @@ def pools_of(cache):
     return serving.cache_design.pools_of(cache)
 
 
+def token_slots(cache, rid: str, length: int) -> list[list[int]]:
+    """The slots of request ``rid``'s first ``length`` tokens in each layer group, in order, from
+    the cache's own bookkeeping: the write index of those tokens (the read index has one entry
+    per page under paged|m3_sparse from 5.18, one per token on 5.17)."""
+    slots = [[] for _ in pools_of(cache).groups]
+    cache.extend_read_and_write_indices(rid, 0, length, None, slots)
+    return slots
+
+
 def step_keywords(cache, requests, *, decode: bool, pad_to: int = 0, fake: int = 0):
     """The keywords ContinuousBatchingIOs builds for ``requests`` [(id, past, new)]: the
     varlen form (write / read indices) or the decode fast path (block tables); ``pad_to``
-    query tokens and ``fake`` empty requests as with CUDA graphs. Also returns the read and
-    write indices of each layer group, unpadded."""
+    query tokens and ``fake`` empty requests as with CUDA graphs. Also returns the slots of
+    every token of each request in order (:func:`token_slots`) and the write indices, unpadded,
+    of each layer group."""
     groups = len(pools_of(cache).groups)
     cu_q, cu_k, write, read = [0], [0], [[] for _ in range(groups)], [[] for _ in range(groups)]
+    history = [[] for _ in range(groups)]
     table = torch.full((groups, len(requests) + fake, 8), -1, dtype=torch.int32)
     for i, (rid, past, new) in enumerate(requests):
         cu_q.append(cu_q[-1] + new)
         cu_k.append(cu_k[-1] + past + new)
         cache.extend_read_and_write_indices(rid, past, new, read, write)
         cache.fill_block_table(rid, past, new, table[:, i])
+        for g, slots in enumerate(token_slots(cache, rid, past + new)):
+            history[g] += slots
     tokens = max(pad_to, cu_q[-1])
     padded_write = [w + [g.write_trash_index] * (tokens - cu_q[-1]) for w, g in zip(write, pools_of(cache).groups)]
     cu_q += [cu_q[-1]] * fake
@@ -372,7 +390,7 @@ def step_keywords(cache, requests, *, decode: bool, pad_to: int = 0, fake: int =
             block_table=None, write_index=[as_int(w, torch.int64) for w in padded_write],
             read_index=[as_int(r, torch.int64) for r in read],
         )
-    return kwargs, read, write
+    return kwargs, history, write
 
 
 def fill_random(cache, seed=0) -> None:
@@ -473,6 +491,34 @@ def test_sparse_pages_hold_index_keys():
     assert torch.equal(flat, torch.ones_like(flat))
 
 
+@pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the allocators of transformers 5.18 and later")
+def test_read_index_holds_one_slot_per_page():
+    """transformers lists every history token of every request in a step's read index, once per
+    allocator, on the host. Under paged|m3_sparse both allocators list each page's first slot
+    instead (the kernels read the pools in place). Any other model's full-attention layers get
+    transformers' own allocator class."""
+    cache = manager_cache(32)
+    give_room(cache, "a", 0, 32)
+    give_room(cache, "b", 0, 32)
+    give_room(cache, "a", 32, 2 * 32)  # a's pages are not contiguous
+    read, write = [[], []], [[], []]
+    cache.extend_read_and_write_indices("a", 40, 30, read, write)  # 70 tokens: 3 pages
+    per_token = token_slots(cache, "a", 70)
+    assert [len(r) for r in read] == [3, 3]
+    assert read == [slots[::32] for slots in per_token]
+    assert write == [slots[40:] for slots in per_token]
+    design = serving.cache_design
+    assert type(cache.cache_allocators["full_attention"]) is design.M3FullCacheAllocator
+    assert type(cache.cache_allocators[serving.SPARSE_LAYER_TYPE]) is design.M3SparseCacheAllocator
+    config = text_config()
+    config._attn_implementation = "sdpa"
+    other = cb_cache.ATTN_TYPE_TO_ALLOCATOR["full_attention"](
+        index=0, layer_indices=[1], config=config, num_key_value_heads=HKV, cache_dtype=torch.float32, page_size=32,
+        allow_block_sharing=True,
+    )
+    assert type(other) is design.FullAttentionCacheAllocator
+
+
 @pytest.mark.parametrize("tokens_per_page", [32, 48], ids=["pages32", "pages48"])
 @pytest.mark.parametrize("path", ["varlen", "decode", "decode-padded"])
 def test_kernel_view_matches_cache_reads(tokens_per_page, path):
@@ -490,7 +536,7 @@ def test_kernel_view_matches_cache_reads(tokens_per_page, path):
     else:
         requests = [("a", 2 * size + 14, 1), ("b", 5, 1), ("c", size + 8, 1)]
     padding = dict(pad_to=8, fake=2) if path == "decode-padded" else {}
-    kwargs, read, write = step_keywords(cache, requests, decode=path != "varlen", **padding)
+    kwargs, history, write = step_keywords(cache, requests, decode=path != "varlen", **padding)
     real = sum(n for *_, n in requests)
     tokens = max(real, padding.get("pad_to", 0))
     step = serving.build_step(cache, kwargs, tokens)
@@ -505,7 +551,7 @@ def test_kernel_view_matches_cache_reads(tokens_per_page, path):
     for layer in range(len(LAYERS)):
         start = 0
         for r, (_, past, new) in enumerate(requests):
-            slots = torch.tensor(read[pools.group_of(layer)][start: start + past + new])
+            slots = torch.tensor(history[pools.group_of(layer)][start: start + past + new])
             start += past + new
             for got, want in zip(kernel_reads(step, cache, layer, r, past + new), slot_reads(cache, layer, slots)):
                 assert (got is None) == (want is None)
@@ -556,8 +602,7 @@ def pooled_index_keys(cache, rid: str, length: int) -> dict:
     cache's own bookkeeping gives its first ``length`` tokens: by sparse layer, (keys
     ``[length, Di]``, and per token a description of where they were read)."""
     pools = pools_of(cache)
-    read = [[] for _ in pools.groups]
-    cache.extend_read_and_write_indices(rid, 0, length, read, [[] for _ in pools.groups])
+    read = token_slots(cache, rid, length)
     held = {}
     for layer in SPARSE_LAYERS:
         g = pools.group_of(layer)

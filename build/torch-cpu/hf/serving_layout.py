@@ -74,6 +74,9 @@ class PoolGroup(Protocol):
 
     tokens_per_page: int
     write_trash_index: int  # the slot padding tokens write to (never read)
+    # Whether the manager's read index of this group holds one slot per cache page of each
+    # request's tokens (the page's first token), else one per token.
+    reads_per_page: bool
 
     def page_tables(self, first_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Slots of the first tokens of kernel pages -> page ids (int32, same shape) of the K/V
@@ -149,6 +152,19 @@ def _first_slots_from_history(history, starts, kv_lens, width: int, page_size: i
     return torch.where(first[None, :] < kv_lens[:, None], slots, 0)
 
 
+def _first_slots_from_pages(pages, kv_lens, tokens_per_page: int, width: int, page_size: int) -> torch.Tensor:
+    """``[R, width]`` like :func:`_first_slots_from_history`, from the first slots of each
+    request's cache pages of ``tokens_per_page`` tokens, in order (request ``r``'s after the
+    pages of those before it; ``pages`` is not empty)."""
+    lens = kv_lens.to(torch.int64)
+    counts = (lens + tokens_per_page - 1) // tokens_per_page  # [R] cache pages of each request
+    starts = torch.cumsum(counts, 0) - counts
+    first = torch.arange(width, device=pages.device, dtype=torch.int64) * page_size  # [W] tokens
+    where = (starts[:, None] + first[None, :] // tokens_per_page).clamp(max=pages.numel() - 1)
+    slots = pages[where] + first[None, :] % tokens_per_page
+    return torch.where(first[None, :] < lens[:, None], slots, 0)
+
+
 def _first_slots_from_blocks(entries: torch.Tensor, tokens_per_page: int, page_size: int) -> torch.Tensor:
     """``[R, MB * tokens_per_page / page_size]`` from block tables ``[R, MB]`` (``-1`` = none):
     entry ``e`` holds slots ``e * tokens_per_page ..`` in order."""
@@ -193,10 +209,13 @@ def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
         else:
             slots = kwargs["write_index"][g][:num_tokens]
             read = kwargs["read_index"][g]
-            # With no history to read (fresh prompts only) the written slots are the whole history.
-            history = read if read.numel() else slots
             width = max(1, -(-int(max_k) // page_size))
-            first = _first_slots_from_history(history, cu_k[:-1], kv_lens, width, page_size)
+            if read.numel() and group.reads_per_page:
+                first = _first_slots_from_pages(read, kv_lens, group.tokens_per_page, width, page_size)
+            else:
+                # With no history to read (fresh prompts only) the written slots are the whole history.
+                history = read if read.numel() else slots
+                first = _first_slots_from_history(history, cu_k[:-1], kv_lens, width, page_size)
         kv_tables, index_tables = group.page_tables(first)
         groups[g] = GroupStep(
             slots=slots.to(torch.int64), kv_tables=_with_trailing_row(kv_tables),

@@ -144,10 +144,26 @@ def cb_tokens_per_page(cb_config) -> int:
 
 
 def cb_pool_tokens(cache, cb_config) -> int:
-    """The tokens one request can hold in an empty continuous-batching cache: its whole-model
-    blocks (``num_blocks``) of ``cb_tokens_per_page`` tokens. 5.18-5.24 count a block's bytes as
-    K/V alone (not M3's index keys), so there the figure is above what the pool holds."""
-    return cache.num_blocks * cb_tokens_per_page(cb_config)
+    """The tokens one request can hold in an empty continuous-batching cache, in pages of
+    ``cb_tokens_per_page`` tokens. Up to 5.17: its whole-model blocks (``num_blocks``). From
+    5.18 (``CB_ALLOCATORS``) the cache is sectors that each allocator cuts into blocks of its
+    own (``blocks_per_sector``), and a request takes whole sectors for each allocator: the
+    most pages ``b`` with the sum over allocators of ``ceil(b / blocks_per_sector)`` within
+    ``num_sectors``. (``num_blocks`` counts whole-model blocks of bytes, which 5.18-5.24 take as
+    K/V alone, without M3's index keys; and it ignores the rounding to sectors.)"""
+    pages = cache.num_blocks
+    if CB_ALLOCATORS:
+        per_sector = [a.blocks_per_sector for a in cache.cache_allocators.values()]
+
+        def fits(b: int) -> bool:
+            return sum(-(-b // n) for n in per_sector) <= cache.num_sectors
+
+        lo, hi = 0, cache.num_sectors * max(per_sector)  # fits(lo); the answer is at most hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        pages = lo
+    return pages * cb_tokens_per_page(cb_config)
 
 
 def cb_resolve_memory_percent(cb_config, has_logit_processors: bool, device) -> None:

@@ -5,7 +5,8 @@ That cache (``generation/continuous_batching/cache.py``) is one byte tensor cut 
 each layer type of ``config.layer_types`` gets the allocator class that
 ``cache.ATTN_TYPE_TO_ALLOCATOR`` names for it, which takes sectors as it needs them and cuts
 them into blocks of one page per layer of its type (``page_size`` tokens per page). M3's
-full-attention layers get transformers' ``FullAttentionCacheAllocator``; its sparse layers
+full-attention layers get transformers' ``FullAttentionCacheAllocator`` (as
+:class:`M3FullCacheAllocator`, below); its sparse layers
 (``minimax_m3_sparse``) get :class:`M3SparseCacheAllocator`, registered here, whose page holds
 a layer's K, V **and index keys** for the same tokens. So the index keys live beside K/V slot
 for slot: in the blocks the manager allocates, freed, forked and shared by prefix caching with
@@ -18,7 +19,10 @@ input tensor); the sparse type reads the full-attention row (:func:`_setup_stati
 its layers keep every token, so their key lengths are the same. ``PagedAttentionMemoryHandler``
 reserves what an eager or sdpa step allocates beside the cache; :class:`_MemoryHandler`
 reserves what m3_sparse allocates instead. On 5.18, ``group_layers_by_attn_type`` takes the
-registry's types too (:func:`_group_layers`).
+registry's types too (:func:`_group_layers`). Both allocators of an m3_sparse model give the
+manager read indices of one slot per page instead of one per token (:class:`_PageReads`): the
+full-attention type is registered as :class:`M3FullCacheAllocator`, which is transformers'
+own class for every other model.
 """
 
 from __future__ import annotations
@@ -39,7 +43,38 @@ FULL_LAYER_TYPE = "full_attention"  # FullAttentionCacheAllocator's layer type (
 _INT32_MAX = 2**31 - 1
 
 
-class M3SparseCacheAllocator(FullAttentionCacheAllocator):
+class _PageReads:
+    """Read indices of one slot per cache page (a page's first token), not one per token.
+
+    transformers builds a step's read index as a Python list of every history token of every
+    request, per allocator, then copies it to the device: tens of milliseconds a step with a
+    long history, and the manager does it again for each allocator. m3_sparse reads no K/V back
+    through it (the kernels read the pools in place); the step only needs where each page of a
+    request starts (``serving_layout.build_step``, ``reads_per_page``)."""
+
+    def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        table = self.block_table.get(request_id)
+        if table is None:
+            raise ValueError(f"No block table found for request {request_id}")
+        pages = -(-(past_length + query_length) // self.tokens_per_page)
+        stride = self.block_physical_stride
+        return [entry * stride for entry in table[:pages]]
+
+
+class M3FullCacheAllocator(_PageReads, FullAttentionCacheAllocator):
+    """transformers' ``FullAttentionCacheAllocator`` with :class:`_PageReads`, for the
+    full-attention layers of a model that runs m3_sparse. Registered for the full-attention
+    type, it makes transformers' own class for every other model (the instance is exactly
+    what transformers would have made)."""
+
+    def __new__(cls, *args, **kwargs):
+        # transformers passes every argument by keyword; the config is the second parameter.
+        if not runs_m3_sparse(kwargs["config"] if "config" in kwargs else args[1]):
+            return FullAttentionCacheAllocator(*args, **kwargs)
+        return super().__new__(cls)
+
+
+class M3SparseCacheAllocator(_PageReads, FullAttentionCacheAllocator):
     """Cache allocator of M3's sparse-attention layers: a page holds one layer's keys, values and
     index keys of ``P`` tokens, ``[K: P x Hkv x D | V: P x Hkv x D | index keys: P x Di]``, and a
     block holds one page per sparse layer, in ``layer_indices`` order.
@@ -192,6 +227,8 @@ class _FullGroup:
     token-major view (``get_cache_for_block_table``) where slot ``s`` is row ``s``, so a kernel
     page of ``page_size`` rows has id ``s // page_size``."""
 
+    reads_per_page = True
+
     def __init__(self, allocator: FullAttentionCacheAllocator, page_size: int):
         self.allocator, self.page_size = allocator, page_size
         self.tokens_per_page = allocator.tokens_per_page
@@ -222,6 +259,8 @@ class _FullGroup:
 
 class _SparseGroup:
     """:class:`M3SparseCacheAllocator`'s layers."""
+
+    reads_per_page = True
 
     def __init__(self, allocator: M3SparseCacheAllocator, page_size: int):
         self.allocator, self.page_size = allocator, page_size
@@ -258,7 +297,7 @@ class Pools:
         for allocator in allocators:
             if type(allocator) is M3SparseCacheAllocator:
                 self.groups.append(_SparseGroup(allocator, self.page_size))
-            elif type(allocator) is FullAttentionCacheAllocator:
+            elif type(allocator) is M3FullCacheAllocator:
                 self.groups.append(_FullGroup(allocator, self.page_size))
             else:
                 raise ValueError(
@@ -354,6 +393,7 @@ def install() -> None:
     """Register :class:`M3SparseCacheAllocator` for M3's sparse layer type, let the manager's
     inputs carry that type's key lengths and size the cache for what m3_sparse allocates."""
     cb_cache.ATTN_TYPE_TO_ALLOCATOR[SPARSE_LAYER_TYPE] = M3SparseCacheAllocator
+    cb_cache.ATTN_TYPE_TO_ALLOCATOR[FULL_LAYER_TYPE] = M3FullCacheAllocator
     cb_io.ContinuousBatchingIOs._setup_static_tensors = _setup_static_tensors
     cb_cache.PagedAttentionMemoryHandler = _MemoryHandler
     if not compat.CB_GROUPS_FROM_REGISTRY:

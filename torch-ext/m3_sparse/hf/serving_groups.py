@@ -95,6 +95,8 @@ class _Group:
     """The one layer group: token-major pools, so a kernel page of ``page_size`` tokens starts
     at a slot that is a multiple of ``page_size`` and its id is that slot over ``page_size``."""
 
+    reads_per_page = False  # 5.17's read index: every token's slot
+
     def __init__(self, cache: cb_cache.PagedAttentionCache, page_size: int):
         self.cache, self.page_size = cache, page_size
         self.tokens_per_page = cache.block_size
