@@ -257,6 +257,21 @@ MUTATIONS = (
         tests=(K + "test_dispatch.py::test_a_kvouter_call_leaves_its_short_sequences_to_the_decode_kernel",),
         what="a mixed call still runs its decode rows through KV-outer as well (right values, the work twice)",
     ),  # fmt: skip
+    Mutation(
+        name="serving_page_reads_skip_a_page", path="hf/serving_layout.py",
+        old="starts = torch.cumsum(counts, 0) - counts", new="starts = torch.cumsum(counts, 0) - counts + 1",
+        tests=("tests/test_continuous_batching.py::test_kernel_view_matches_cache_reads",
+               "tests/test_continuous_batching.py::test_mixed_lengths_equal_generate"),
+        what="a step with a history finds each request's pages one cache page late in the manager's per-page read "
+             "index (transformers 5.18 and later)",
+    ),  # fmt: skip
+    Mutation(
+        name="compile_ahead_pass_launches", path="core/launch.py",
+        old="        fn.run(*args, grid=grid, warmup=True, **kwargs)", new="        fn[grid](*args, **kwargs)",
+        tests=(K + "test_compile_ahead.py::test_a_pass_compiles_each_launch_and_launches_nothing",),
+        what="a compile-ahead pass launches its kernels instead of only compiling them (every kernel runs twice, "
+             "and a kernel that updates its inputs in place updates them twice)",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_98a50ab79b"
+NAMESPACE = "_m3_sparse_cpu_555d1266db"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -4,7 +4,8 @@ an unaligned address, an int of another value or type) never reuses another call
 
 The key is checked on the CPU; the launches on a CUDA device (the decode kernel, with the
 direct path on and off, an unaligned query and a profiler's launch hook; the dense kernel's
-TMA descriptors and its split merge; KV-outer's tl kernels and the page-tail kernel)."""
+TMA descriptors and its split merge; KV-outer's tl kernels and the page-tail kernel; the
+Gluon index top-k and KV-outer partials kernels with their descriptors)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,46 @@ def test_key_of_a_tensor_descriptor(monkeypatch):
     assert key(pool, [16, 32]) != key(pool, [32, 32])
     assert key(pool, [16, 32]) != key(pool.float(), [16, 32])
     hash(key(pool, [16, 32]))
+
+
+def test_key_of_a_gluon_descriptor(monkeypatch):
+    """A Gluon descriptor is keyed by dtype, block shape, padding and shared layout (Gluon types
+    it by all four), never by its base, shape or strides."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon.language import NVMMASharedLayout
+
+    monkeypatch.setattr(launch, "_gluon_descriptor_class", hopper.TensorDescriptor)
+    swizzled, plain = NVMMASharedLayout(128, 16), NVMMASharedLayout(0, 16)
+
+    def key(t, block, layout):
+        return launch._args_key((hopper.TensorDescriptor.from_tensor(t, block, layout),))[0]
+
+    pool = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert key(pool, [16, 64], swizzled) == key(torch.ones(128, 64, dtype=torch.bfloat16), [16, 64], swizzled)
+    assert key(pool, [16, 64], swizzled) != key(pool, [32, 64], swizzled)
+    assert key(pool, [16, 64], swizzled) != key(pool, [16, 64], plain)
+    assert key(pool, [16, 64], swizzled) != key(pool.half(), [16, 64], swizzled)
+    hash(key(pool, [16, 64], swizzled))
+
+
+def test_gluon_kernels_launch_through_triton_until_checked(monkeypatch):
+    """A Gluon kernel launches directly only on a Triton release listed as checked on a GPU
+    (stand-in kernels of each class: the interpreter's kernels have no compiled launcher)."""
+    import triton
+
+    def kernel(module: str):
+        param = type("Param", (), {"name": "x", "default": None})()
+        cls = type("Kernel", (), {"params": [param], "__module__": module})
+        return cls()
+
+    tl_kernel, gluon_kernel = kernel("triton.runtime.jit"), kernel("triton.experimental.gluon._runtime")
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_TRITON", (triton.__version__,))
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    assert launch._cache_for(tl_kernel) == {} and launch._cache_for(gluon_kernel) is None
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_GLUON_TRITON", (triton.__version__,))
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    assert launch._cache_for(gluon_kernel) == {}
 
 
 def test_kernel_lookup_learns_the_descriptor_class():
@@ -246,3 +287,45 @@ def test_direct_kvouter_launches_match_triton_launches(monkeypatch):
     ref = k.clone()
     clear_page_tails_torch(ref, v.clone(), tables, lens)
     assert torch.equal(first[2], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_direct_gluon_launches_match_triton_launches(monkeypatch):
+    """The sm_90 Gluon kernels (index top-k, KV-outer partials), launched directly after their
+    first call with their TMA descriptors, give what launches through Triton give, bit for bit."""
+    from kernel_test_utils import require_gluon
+    from m3_sparse.index import topk_gluon_sm90
+    from m3_sparse.index.plan import IndexConfig
+    from m3_sparse.kvouter import partials_gluon_sm90
+
+    require_gluon(topk_gluon_sm90.device_reason(torch.empty(1, device="cuda")), "the Gluon kernels")
+    import triton
+
+    # Gluon kernels launch directly only on releases listed once this comparison passed there.
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_GLUON_TRITON", (triton.__version__,))
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    g = gen(6)
+    batch = make_batch(g, [(700, 300), (260, 77)], 64)
+    q = randn(g, batch.num_tokens, 16, 128, dtype=torch.bfloat16).cuda()
+    k, v = (batch.kv_cache(g, 2, 128, torch.bfloat16).cuda() for _ in range(2))
+    sel = random_selection(g, batch, 2, 4, 128).cuda()
+    index_q = randn(g, batch.num_tokens, 4, 128, dtype=torch.bfloat16).cuda()
+    index_k = batch.index_cache(g, 128, torch.bfloat16).cuda()
+    tables, cu, lens = (t.cuda() for t in (batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens))
+    lengths = dict(cu_seqlens_q=cu, used_kv_lens=lens, block_size=128)
+
+    def run():
+        out, lse = m3_sparse.kvouter_attention(q, k, v, sel, tables, return_lse=True,
+                                               config=KVOuterConfig(engine="tma"), **lengths)
+        chosen = m3_sparse.index_topk(index_q, index_k, tables, topk=4, config=IndexConfig(engine="tma"), **lengths)
+        return out, lse, chosen
+
+    first, again = run(), run()
+    for kernel in (topk_gluon_sm90._index_topk_tma_kernel, partials_gluon_sm90._kvouter_partials_tma_kernel):
+        assert launch._launch_cache.get(kernel), f"{kernel} was not kept for direct launches"
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH_GLUON_TRITON", ())
+    monkeypatch.setattr(launch, "_launch_cache", {})
+    through_triton = run()
+    for got in (first, again):
+        assert all(torch.equal(a, b) for a, b in zip(got, through_triton))

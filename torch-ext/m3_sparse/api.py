@@ -26,6 +26,7 @@ from . import dispatch
 # Raised where a GPU cannot run a call (its compute capability); re-exported by the package.
 from .dispatch import UnsupportedGPUError  # noqa: F401
 from .core.args import AttnArgs, IndexArgs, tensor_meta
+from .core.launch import compile_ahead, rows_bucket
 from .core.layout import chunk_varlen, token_positions, token_seq_ids
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
@@ -99,6 +100,8 @@ def attention_op(*, without: tuple[str, ...] = ()):
         defaults = {p.name: p.default for p in params if p.default is not p.empty}
         names, own_names = sig.parameters.keys(), tuple(p.name for p in own)
         sparse = "selected" not in without
+        # An op that launches kernels compiles its first calls' kernels ahead (a plan maker launches none).
+        ahead = not body.__name__.startswith("plan_")
 
         @functools.wraps(body)
         def op(*args, **kwargs):
@@ -108,7 +111,11 @@ def attention_op(*, without: tuple[str, ...] = ()):
             if len(args) > len(positional) or given.keys() != names or not by_position.keys().isdisjoint(kwargs):
                 sig.bind(*args, **kwargs)  # raises the TypeError
             own_kwargs = {name: given.pop(name) for name in own_names}
-            return body(attention_args(**given, sparse=sparse), **own_kwargs)
+            checked = attention_args(**given, sparse=sparse)
+            if not ahead:
+                return body(checked, **own_kwargs)
+            key = lambda: (body.__name__, checked.ahead_key, *own_kwargs.items())  # noqa: E731
+            return compile_ahead(key, checked.q.device, body, checked, **own_kwargs)
 
         op.__signature__ = sig
         return op
@@ -165,7 +172,11 @@ def index_prep(
     if dispatch.use_triton(q, dispatch.prep_unsupported(q, k, cos, sin), impl):
         from .index import prep_triton
 
-        return prep_triton.index_prep_triton(q, k, q_weight, k_weight, cos, sin, eps, k_out, k_rows)
+        key = lambda: ("index_prep", q.dtype, tuple(q.shape[2:]), tuple(cos.shape[2:]), k_out is not None,  # noqa: E731
+                       rows_bucket(seq))
+        return compile_ahead(
+            key, device, prep_triton.index_prep_triton, q, k, q_weight, k_weight, cos, sin, eps, k_out, k_rows
+        )
     q, k = index_prep_torch(q, k, q_weight, k_weight, cos, sin, eps)
     if k_out is None:
         return q, k
@@ -210,7 +221,12 @@ def index_topk(
         block_size=block_size, local_blocks=local_blocks, max_seqlen_q=max_seqlen_q, index_k_scale=index_k_scale,
         fp8_dot=fp8_dot,
     )
-    return PlannedIndexTopk(args, config or INDEX_DEFAULTS).planned_call()
+    cfg = config or INDEX_DEFAULTS
+    return compile_ahead(lambda: ("index_topk", args.ahead_key, cfg), args.index_q.device, _index_topk, args, cfg)
+
+
+def _index_topk(args: IndexArgs, cfg: IndexConfig) -> torch.Tensor:
+    return PlannedIndexTopk(args, cfg).planned_call()
 
 
 def plan_index_topk(*args, **kwargs) -> PlannedIndexTopk:
@@ -274,6 +290,14 @@ class _Plan:
         """The result of the call the plan was made from."""
         return self._call(*(getattr(self.args, name) for name in self.RUN_TENSORS))
 
+    @functools.cached_property
+    def _ahead_key(self) -> tuple:
+        return type(self).__name__, self.args.ahead_key
+
+    def _ahead_call(self, *tensors):
+        """``_call`` of a run, its kernels compiled ahead on the plan's first runs (``compile_ahead``)."""
+        return compile_ahead(self._ahead_key, tensors[0].device, self._call, *tensors)
+
 
 class PlannedIndexTopk(_Plan):
     """:func:`index_topk` on a checked call, its kernel chosen and its launch set up
@@ -298,7 +322,7 @@ class PlannedIndexTopk(_Plan):
     def run(self, index_q: torch.Tensor, index_k_cache: torch.Tensor, index_k_scale=None) -> torch.Tensor:
         """``selected`` [Tq, Hi, topk] for these tensors (like the planned call's)."""
         _check_like(self._metas, (index_q, index_k_cache, index_k_scale))
-        return self._call(index_q, index_k_cache, index_k_scale)
+        return self._ahead_call(index_q, index_k_cache, index_k_scale)
 
     def _call(self, index_q, index_k_cache, index_k_scale) -> torch.Tensor:
         if self._launch is not None:
@@ -535,7 +559,7 @@ class PlannedAttention(_Plan):
     def run(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
         _check_like(self._metas, (q, k_cache, v_cache, selected))
-        return self._call(q, k_cache, v_cache, selected)
+        return self._ahead_call(q, k_cache, v_cache, selected)
 
     def _call(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._launch is not None:
@@ -592,7 +616,7 @@ class PlannedDenseAttention(_Plan):
     def run(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""
         _check_like(self._metas, (q, k_cache, v_cache))
-        return self._call(q, k_cache, v_cache)
+        return self._ahead_call(q, k_cache, v_cache)
 
     def _call(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._launch is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .launch import rows_bucket
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -59,6 +61,17 @@ class AttnArgs:
     @property
     def hq(self) -> int:
         return self.q.shape[1]
+
+    @property
+    def ahead_key(self) -> tuple:
+        """What a compile-ahead key (``core.launch.compile_ahead``) keeps of the call: dtypes,
+        head counts and dims, page and block sizes, flags, and query rows per sequence
+        coarsely (no lengths)."""
+        return (
+            self.q.dtype, self.k_cache.dtype, tuple(self.q.shape[1:]), tuple(self.k_cache.shape[1:]), self.block_size,
+            self.causal, self.return_lse, self.out_dtype, self.partial_dtype, self.selected is not None,
+            self.batch > 1, rows_bucket(self.rows_per_seq),
+        )
 
     @property
     def d(self) -> int:
@@ -138,6 +151,16 @@ class IndexArgs:
     def token_scales(self) -> bool:
         """Per-token scales (a per-tensor scale never changes a ranking: no kernel reads it)."""
         return self.fp8 and not is_tensor_scale(self.index_k_scale)
+
+    @property
+    def ahead_key(self) -> tuple:
+        """What a compile-ahead key keeps of the call (as ``AttnArgs.ahead_key``)."""
+        rows = self.index_q.shape[0] if self.max_seqlen_q is None else self.max_seqlen_q
+        return (
+            self.index_q.dtype, self.index_k_cache.dtype, tuple(self.index_q.shape[1:]),
+            tuple(self.index_k_cache.shape[1:]), self.topk, self.block_size, self.local_blocks, self.fp8_dot,
+            self.token_scales, rows_bucket(rows),
+        )
 
 
 def is_tensor_scale(index_k_scale) -> bool:

@@ -55,7 +55,7 @@ if HAVE_GLUON:
     from ..core.gluon import sync_threads as _sync_threads
 
 from ..core.args import AttnArgs
-from ..core.launch import contiguous
+from ..core.launch import contiguous, launch_kernel
 from .build import KVOuterIndex
 from .partials import empty_partials
 from .schedule import Schedule
@@ -424,8 +424,8 @@ def kvouter_partials_tma(args: AttnArgs, index: KVOuterIndex, sched: Schedule) -
     v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [pb, d], kv_layout)
     o_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [tq * group, d], o_layout)
     o1_desc = TensorDescriptor(o2, list(o2.shape), list(o2.stride()), [group, d], o_layout)
-    _kvouter_partials_tma_kernel[(sched.num_programs,)](
-        q_desc, k_desc, v_desc, o_desc, o1_desc,
+    launch_kernel(
+        _kvouter_partials_tma_kernel, (sched.num_programs,), q_desc, k_desc, v_desc, o_desc, o1_desc,
         partial_o, partial_m, partial_l,
         block_tables, cu_seqlens_q, used_kv_lens, index.entry_token, index.seg_offsets,
         sched.tile_segment, sched.tile_start, sched.tile_end, sched.program_tiles,

@@ -41,6 +41,7 @@ if HAVE_GLUON:
     from ..core.gluon import sync_threads as _sync_threads
 
 from ..core.args import IndexArgs
+from ..core.launch import launch_kernel
 from .plan import metadata
 
 BM = 128
@@ -321,8 +322,8 @@ def index_topk_tma(args: IndexArgs, num_stages: int | None = None) -> torch.Tens
         ks_desc = k_desc
     nkeep, kp, topk_p2 = list_widths(topk, local_blocks)
     tiles = (num_tokens * heads) // BM + batch
-    _index_topk_tma_kernel[(tiles,)](
-        index_q, k_desc, ks_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
+    launch_kernel(
+        _index_topk_tma_kernel, (tiles,), index_q, k_desc, ks_desc, block_tables, cu_seqlens_q, used_kv_lens, out,
         block_tables.stride(0), batch,
         H=heads, D=dim, BLOCK=block_size, PAGE=page_size, PB=pb,
         TOPK=topk, TOPK_P2=topk_p2, LOCAL=local_blocks, NKEEP=nkeep, KP=kp,

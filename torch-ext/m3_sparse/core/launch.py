@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
 import os
+import threading
 
 import torch
+
+_log = logging.getLogger("m3_sparse")
 
 
 # Most key splits of one attention row (the decode and dense kernels): the split merge
@@ -181,26 +186,34 @@ LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses 
 # The Triton releases whose compiled-kernel launcher ``launch_kernel`` calls directly (checked
 # on the H200 by tests/kernels/test_launch.py); other releases launch through Triton every time.
 DIRECT_LAUNCH_TRITON = ("3.6.",)
+# The same for the Gluon kernels (their descriptors are keyed, ``_args_key``): none yet, as
+# tests/kernels/test_launch.py's Gluon comparison has not run on a GPU; until it passes there
+# they launch through Triton (which costs their call the binder's host time).
+DIRECT_LAUNCH_GLUON_TRITON: tuple[str, ...] = ()
 _launch_cache: dict = {}
 _UNSEEN = object()
 
 
 _descriptor_class = None  # Triton's host-side TensorDescriptor, once Triton is imported (_cache_for)
+_gluon_descriptor_class = None  # Gluon's (Hopper) host-side TensorDescriptor, where Gluon is installed
 
 
 def _args_key(args: tuple) -> tuple:
     """What Triton's specialization can depend on, or finer, for every argument: a tensor's
     dtype and its address modulo 16 (Triton asks whether it is 16-byte aligned); a host-side
     tensor descriptor's dtype, block shape and padding (Triton 3.6 types it by dtype and
-    block shape; its base, shape and strides are launch arguments); an int, bool, string or
+    block shape; its base, shape and strides are launch arguments), and a Gluon descriptor's
+    shared-memory layout besides (Gluon types it by layout too; its layouts hash by value,
+    as Triton keys constexprs by them); an int, bool, string or
     None with its type and value (``True == 1``, yet Triton types them apart); a float's
     type only (it is passed as a 32-bit float whatever its value). One comprehension, no
     call per plain argument: a decode launch has about forty arguments."""
-    tensor, descriptor = torch.Tensor, _descriptor_class
+    tensor, descriptor, gluon = torch.Tensor, _descriptor_class, _gluon_descriptor_class
     return tuple([
         (a.dtype, a.data_ptr() & 15) if isinstance(a, tensor)
         else float if a.__class__ is float
         else (descriptor, a.base.dtype, tuple(a.block_shape), a.padding) if a.__class__ is descriptor
+        else (gluon, a.base.dtype, tuple(a.block_shape), a.padding, a.layout) if a.__class__ is gluon
         else (a.__class__, a)
         for a in args
     ])
@@ -214,17 +227,23 @@ def _cache_for(fn):
         return cache
     import triton
 
-    global _descriptor_class
+    global _descriptor_class, _gluon_descriptor_class
     if _descriptor_class is None:
         try:
             from triton.tools.tensor_descriptor import TensorDescriptor as _descriptor_class
         except ImportError:  # pragma: no cover - a Triton without host-side descriptors
             pass
+    if _gluon_descriptor_class is None:
+        try:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _gluon_descriptor_class
+        except ImportError:  # a Triton without Gluon
+            pass
     cache = None
     params = getattr(fn, "params", None)
+    gluon = type(fn).__module__.startswith("triton.experimental.gluon")
     if (
         not interpreting()
-        and triton.__version__.startswith(DIRECT_LAUNCH_TRITON)
+        and triton.__version__.startswith(DIRECT_LAUNCH_GLUON_TRITON if gluon else DIRECT_LAUNCH_TRITON)
         and params is not None
         and all(hasattr(p, "name") and hasattr(p, "default") for p in params)
     ):
@@ -268,7 +287,12 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
     kernel; later calls with the same key (:func:`_args_key` of the arguments, the keywords,
     the current device) launch that kernel on the current stream directly, with the
     arguments Triton would pass. Calls go through Triton every time under the interpreter
-    and while launch hooks (a profiler's) are set."""
+    and while launch hooks (a profiler's) are set. Inside a compile-ahead pass
+    (:func:`compile_ahead`) nothing launches: the kernel is compiled in the background."""
+    ahead = _ahead.get()
+    if ahead is not None:
+        ahead.compile(fn, grid, args, kwargs)
+        return
     cache = _cache_for(fn)
     if cache is None or _hooks_set():
         fn[grid](*args, **kwargs)
@@ -290,3 +314,111 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     stream = current_stream(device)
     kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+
+
+# --------------------------------------------------------------------------- compiling ahead
+# A first call compiles each of its kernels when it reaches its launch, one after another:
+# seconds per kernel, tens of seconds for a model's first generate(). Which kernels a call
+# launches, with which specializations, is decided from host facts only (nothing reads the
+# device), so the call can first be run once with every launch turned into Triton's warm-up
+# compile, handed to a thread pool (Triton's asynchronous compile mode); the compiles then run
+# side by side, and the real call finds every kernel built. The pass's torch work (allocations,
+# small index ops) runs on the device and is dropped with its outputs; its kernels write
+# nothing, so a pass leaves every input and cache as it was.
+# "1" turns passes on. Off by default until measured on a GPU (benchmarks/bench_first_call.py)
+# against each kernel compiling at its launch.
+COMPILE_AHEAD_ENV = "M3_SPARSE_COMPILE_AHEAD"
+# Passes a call key gets while they still find kernels to compile; then, or after a pass that
+# found none, calls of that key run directly. A key is coarse (no lengths): a later call whose
+# lengths select other specializations compiles them at their launches.
+MAX_PASSES = 8
+_ahead: contextvars.ContextVar = contextvars.ContextVar("m3_sparse_compile_ahead", default=None)
+_passes: dict = {}  # call key -> passes made, MAX_PASSES once warm
+_pool = None
+_pool_lock = threading.Lock()
+
+
+class _AheadPass:
+    """A compile-ahead pass: Triton's asynchronous compile mode over the pool, and how many
+    kernels it handed to the pool."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def compile(self, fn, grid, args, kwargs) -> None:
+        fn.run(*args, grid=grid, warmup=True, **kwargs)
+
+    @property
+    def submitted(self) -> int:
+        return len(self.mode.raw_futures)
+
+
+def _compile_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="m3-compile")
+        return _pool
+
+
+def _async_compile_mode():
+    """Triton's asynchronous compile mode class, or None for a Triton without one."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # pragma: no cover - a Triton before 3.5
+        return None
+    return AsyncCompileMode
+
+
+def compile_ahead(key, device: torch.device, call, *args, **kwargs):
+    """``call(*args, **kwargs)``; with ``M3_SPARSE_COMPILE_AHEAD=1``, on the first calls of
+    ``key`` on a CUDA device, after a compile-ahead pass of the same call (see above). Never
+    while a CUDA graph is captured or under the interpreter. ``key``: the call key, or a
+    function making it, called only while passes are on (every op call comes through here)."""
+    if device.type != "cuda" or _ahead.get() is not None or not _ahead_wanted():
+        return call(*args, **kwargs)
+    key = key() if callable(key) else key
+    done = _passes.get(key, 0)
+    if done >= MAX_PASSES:
+        return call(*args, **kwargs)
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return call(*args, **kwargs)
+    mode_class = _async_compile_mode()
+    if mode_class is None:
+        _passes[key] = MAX_PASSES
+        return call(*args, **kwargs)
+    try:
+        with mode_class(_compile_pool()) as mode:  # its exit waits for the compiles
+            ahead = _AheadPass(mode)
+            token = _ahead.set(ahead)
+            try:
+                call(*args, **kwargs)
+            finally:
+                _ahead.reset(token)
+        _passes[key] = MAX_PASSES if ahead.submitted == 0 else done + 1
+    except Exception as exc:  # noqa: BLE001 - the real call below raises what the call itself raises
+        # A pass only prepares: whatever stopped it (bad input, a compile error), the real call
+        # runs as it would without passes and raises that error itself.
+        _passes[key] = MAX_PASSES
+        _log.debug("compile-ahead pass of %s stopped (%s: %s); its kernels compile at their launches",
+                   key[0], type(exc).__name__, exc)
+    return call(*args, **kwargs)
+
+
+def compiling_ahead() -> bool:
+    """Whether a compile-ahead pass is running: work that is not a Triton launch (another
+    library's kernel) skips itself in one, since the pass's results are dropped."""
+    return _ahead.get() is not None
+
+
+def _ahead_wanted() -> bool:
+    return os.environ.get(COMPILE_AHEAD_ENV, "0") == "1" and not interpreting()
+
+
+def rows_bucket(rows: int) -> int:
+    """Query rows per sequence, coarsely, for a compile-ahead key: one (decode), a few (a
+    decode or mixed step's short rows), many (prefill). The kernels and their tiles differ
+    between these."""
+    return 0 if rows <= 1 else 1 if rows <= 16 else 2
