@@ -14,6 +14,10 @@ M3-shaped model and its dense twin, with the toy tokenizer) are served one at a 
   ``--seconds``;
 * a closed loop of ``--concurrency`` users (``concurrent``).
 
+Before them each server is warmed for ``--warmup-seconds`` by the same closed loop, whose
+figures are dropped: its first steps compile the Triton kernels of each step shape and capture
+the manager's graphs, which a long-running server has done long before.
+
 Per run: output tok/s, requests/s, TTFT and ITL p50 / p99 (guidellm's, ITL pooled over every
 gap of every request), and goodput: requests/s of those with TTFT <= ``--ttft-slo`` ms and a mean
 ITL <= ``--itl-slo`` ms (from guidellm's per-request figures). Written to OUT: bench_server.json
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-size", type=int, default=None, help="guidellm sweep runs (default 8; --quick 3)")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default 64; --quick 4)")
     p.add_argument("--seconds", type=float, default=None, help="length of each run (default 60; --quick 8)")
+    p.add_argument("--warmup-seconds", type=float, default=None,
+                   help="closed-loop run before the timed ones, dropped (default 60; --quick 2)")
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
     p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="--cb-max-batch-tokens of both servers")
@@ -83,6 +89,7 @@ def parse_args(argv=None):
     args.concurrency = args.concurrency or (4 if q else 64)
     args.seconds = args.seconds or (8.0 if q else 60.0)
     args.num_blocks = args.num_blocks or (1024 if q else None)
+    args.warmup_seconds = (2.0 if q else 60.0) if args.warmup_seconds is None else args.warmup_seconds
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
     if not Path(exe).exists() and shutil.which("guidellm") is None:
         p.error("guidellm is not installed (pip install guidellm; offline: carry its wheels)")
@@ -149,7 +156,13 @@ class ServerProcess:
         self.log.close()
 
 
-def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log: Path) -> dict:
+# guidellm now and then never finishes a run (no progress after "started", the server idle), on
+# a loaded machine more often: a run gets this long beyond its own length, then it is stopped and
+# made again, once.
+GUIDELLM_GRACE_S = 120.0
+
+
+def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log: Path, seconds: float) -> dict:
     mean = (args.prompt_min + args.prompt_max) // 2
     data = (f"kind=synthetic_text,prompt_tokens={mean},prompt_tokens_stdev={(args.prompt_max - args.prompt_min) // 3},"
             f"prompt_tokens_min={args.prompt_min},prompt_tokens_max={args.prompt_max}")
@@ -157,11 +170,26 @@ def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log:
            "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model},"
                         f"request_format=/v1/completions,max_tokens={args.new_tokens}",
            "--profile", profile, "--data", data,
-           "--constraint", f"kind=max_duration,seconds={args.seconds}",
+           "--constraint", f"kind=max_duration,seconds={seconds}",
            "--output", f"kind=json,path={out_json}", "--disable-console"]  # fmt: skip
-    with open(log, "w") as f:
-        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    return json.loads(out_json.read_text())
+    runs = args.sweep_size if profile.startswith("kind=sweep") else 1
+    limit = GUIDELLM_GRACE_S + 2 * seconds * runs
+    for attempt in (1, 2):
+        with open(log, "a" if attempt > 1 else "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            try:
+                code = proc.wait(limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # guidellm and its worker processes
+                proc.wait()
+                print(f"guidellm ({profile}) made no result in {limit:g} s; "
+                      f"{'running it again' if attempt == 1 else 'giving up'}: see {log}", file=sys.stderr)
+                continue
+        if code != 0:
+            raise subprocess.CalledProcessError(code, cmd)
+        return json.loads(out_json.read_text())
+    raise RuntimeError(f"guidellm ({profile}) made no result in two tries of {limit:g} s: see {log}")
 
 
 def pct(metric: dict, name: str) -> float | None:
@@ -191,6 +219,42 @@ def rows_of(report: dict, args, layers: str, config: str) -> list[dict]:
     return rows
 
 
+def targets(rows: list[dict], layers: str) -> dict | None:
+    """The serving issue's three figures for one layer pattern, from guidellm's runs:
+
+    * goodput: m3_sparse's best goodput (requests/s meeting both bounds, any run) over the dense
+      twin's at the highest request rate where at least half the twin's requests met them;
+    * tok/s at saturation: the best output tok/s of each configuration (its throughput run);
+    * ITL p99 / p50 of m3_sparse at half its saturation: the constant-rate run whose rate is
+      nearest half its best requests/s."""
+    mine = {c: [r for r in rows if r["layers"] == layers and r["config"] == c and r["requests"]]
+            for c in ("m3_sparse", "dense")}
+    if not mine["m3_sparse"] or not mine["dense"]:
+        return None
+    ok_dense = [r for r in mine["dense"] if (r["goodput_share"] or 0) >= 0.5 and r["strategy"] != "concurrent"]
+    dense_at = max(ok_dense, key=lambda r: r["requests_s"] or 0, default=None)
+    m3_best = max(mine["m3_sparse"], key=lambda r: r["goodput_requests_s"] or 0)
+    sat = {c: max(rs, key=lambda r: r["output_tok_s"] or 0) for c, rs in mine.items()}
+    half = (max(r["requests_s"] or 0 for r in mine["m3_sparse"])) / 2
+    paced = [r for r in mine["m3_sparse"] if r["strategy"] == "constant" and r["rate"]]
+    at_half = min(paced, key=lambda r: abs(r["rate"] - half), default=None)
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {
+        "layers": layers,
+        "dense_rate_req_s": dense_at and dense_at["requests_s"],
+        "dense_goodput_req_s": dense_at and dense_at["goodput_requests_s"],
+        "m3_goodput_req_s": m3_best["goodput_requests_s"], "m3_goodput_strategy": m3_best["strategy"],
+        "goodput_ratio": ratio(m3_best["goodput_requests_s"], dense_at and dense_at["goodput_requests_s"]),
+        "m3_saturation_tok_s": sat["m3_sparse"]["output_tok_s"], "dense_saturation_tok_s": sat["dense"]["output_tok_s"],
+        "tok_s_ratio": ratio(sat["m3_sparse"]["output_tok_s"], sat["dense"]["output_tok_s"]),
+        "m3_half_rate": at_half and at_half["rate"],
+        "m3_itl_p99_over_p50": at_half and ratio(at_half["itl_p99_ms"], at_half["itl_p50_ms"]),
+    }  # fmt: skip
+
+
 def write_outputs(args, rows: list[dict], log: common.Log) -> None:
     out = Path(args.out)
     header = ["layers", "config", "strategy", "rate", "requests", "errored", "output tok/s", "req/s",
@@ -200,7 +264,18 @@ def write_outputs(args, rows: list[dict], log: common.Log) -> None:
               common.fmt(r["ttft_p99_ms"], 1), common.fmt(r["itl_p50_ms"]), common.fmt(r["itl_p99_ms"]),
               common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])] for r in rows]  # fmt: skip
     log(common.md_table(header, table))
-    common.write_json(out / "bench_server.json", {"environment": common.environment(), "args": vars(args), "rows": rows})
+    found = [t for t in (targets(rows, layers) for layers in args.layers) if t]
+    if found:
+        log("Targets (m3_sparse against the dense twin; see targets() for how each is taken):")
+        log(common.md_table(
+            ["layers", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x", "m3 sat tok/s",
+             "dense sat tok/s", "tok/s x", "m3 half rate", "m3 ITL p99/p50"],
+            [[t["layers"], common.fmt(t["dense_rate_req_s"]), common.fmt(t["dense_goodput_req_s"]),
+              common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1), common.fmt(t["m3_saturation_tok_s"], 1),
+              common.fmt(t["dense_saturation_tok_s"], 1), common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]),
+              common.fmt(t["m3_itl_p99_over_p50"], 1)] for t in found]))  # fmt: skip
+    common.write_json(out / "bench_server.json", {"environment": common.environment(), "args": vars(args),
+                                                  "rows": rows, "targets": found})
     log.write(out / "bench_server.md")
     plt, why = common.pyplot()
     if plt is None:
@@ -237,13 +312,20 @@ def main(argv=None) -> int:
             name, extra = CONFIGS[config]
             checkpoint = models / f"{name}-{layers}"
             server = ServerProcess(checkpoint, extra, args, out / f"server-{config}-{layers}.log")
+            closed = f"kind=concurrent,streams={args.concurrency}"
+            runs = [(closed, "warmup", args.warmup_seconds)] if args.warmup_seconds > 0 else []
+            runs += [(f"kind=sweep,sweep_size={args.sweep_size}", "sweep", args.seconds),
+                     (closed, "concurrent", args.seconds)]
             try:
-                for profile, tag in ((f"kind=sweep,sweep_size={args.sweep_size}", "sweep"),
-                                     (f"kind=concurrent,streams={args.concurrency}", "concurrent")):
+                for profile, tag, seconds in runs:
                     stem = f"guidellm-{config}-{layers}-{tag}"
                     report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
-                                          out / f"{stem}.log")
-                    rows += rows_of(report, args, layers, config)
+                                          out / f"{stem}.log", seconds)
+                    if tag != "warmup":
+                        rows += rows_of(report, args, layers, config)
+                        # JSON after every run: a run cut short by a time limit keeps the ones before it.
+                        common.write_json(out / "bench_server.json", {"environment": common.environment(),
+                                                                      "args": vars(args), "rows": rows})
             finally:
                 server.stop()
     write_outputs(args, rows, log)

@@ -16,13 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_run_reports_each_server_under_guidellm(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--quick", "--out", str(tmp_path),
-           "--seconds", "3", "--sweep-size", "2", "--concurrency", "2", "--new-tokens", "4"]
+           "--seconds", "3", "--sweep-size", "2", "--concurrency", "2", "--new-tokens", "4", "--warmup-seconds", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_server.json").read_text())["rows"]
     assert {(r["config"], r["strategy"]) for r in rows} >= {
         (c, s) for c in ("m3_sparse", "dense") for s in ("synchronous", "concurrent")
     }
+    # The warm-up run is written beside the others, and none of its figures is a row.
+    assert (tmp_path / "guidellm-m3_sparse-sf-warmup.json").is_file()
+    assert sorted(r["config"] for r in rows if r["strategy"] == "concurrent") == ["dense", "m3_sparse"]
     for r in rows:
         assert r["errored"] == 0, r
         if r["strategy"] in ("synchronous", "concurrent"):
@@ -33,3 +36,61 @@ def test_quick_run_reports_each_server_under_guidellm(tmp_path):
     done = report["benchmarks"][0]["requests"]["successful"]
     assert done and all(r["output_tokens"] == 4 for r in done)
     assert "| sf | m3_sparse | concurrent |" in (tmp_path / "bench_server.md").read_text()
+
+
+def test_targets_from_guidellm_rows():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    def row(config, strategy, rate, req_s, tok_s, good, share, itl=(2.0, 9.0)):
+        return {"layers": "sfs", "config": config, "strategy": strategy, "rate": rate, "requests": 10,
+                "requests_s": req_s, "output_tok_s": tok_s, "goodput_requests_s": good, "goodput_share": share,
+                "itl_p50_ms": itl[0], "itl_p99_ms": itl[1]}
+
+    rows = [
+        row("dense", "synchronous", None, 0.1, 5.0, 0.1, 1.0),
+        row("dense", "constant", 0.2, 0.2, 9.0, 0.12, 0.6),  # the highest rate with half its requests good
+        row("dense", "constant", 0.3, 0.25, 11.0, 0.05, 0.2),
+        row("dense", "throughput", None, 0.3, 12.0, 0.0, 0.0),
+        row("m3_sparse", "constant", 1.0, 1.0, 60.0, 0.9, 0.9, itl=(2.0, 6.0)),  # nearest half of 2.2 req/s
+        row("m3_sparse", "constant", 2.0, 1.9, 110.0, 0.3, 0.15, itl=(2.0, 50.0)),
+        row("m3_sparse", "throughput", None, 2.2, 120.0, 0.2, 0.1),
+        row("m3_sparse", "concurrent", 64, 2.0, 115.0, 0.0, 0.0),
+    ]
+    t = bench_server.targets(rows, "sfs")
+    assert t["dense_rate_req_s"] == 0.2 and t["dense_goodput_req_s"] == 0.12
+    assert t["m3_goodput_req_s"] == 0.9 and abs(t["goodput_ratio"] - 7.5) < 1e-9
+    assert abs(t["tok_s_ratio"] - 10.0) < 1e-9
+    assert t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
+    assert bench_server.targets([r for r in rows if r["config"] == "dense"], "sfs") is None
+
+
+def test_a_guidellm_run_that_never_ends_is_made_again(tmp_path, monkeypatch):
+    """guidellm sometimes never finishes a run: past its length and a grace period it is killed
+    (with its worker processes) and run once more; a second hang is an error."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    import bench_server
+
+    fake = tmp_path / "guidellm"
+    marker = tmp_path / "hung-once"
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys, time
+out = next(a.split("path=")[1] for a in sys.argv if a.startswith("kind=json,path="))
+marker = pathlib.Path({str(marker)!r})
+if not marker.exists() or "always" in marker.read_text():
+    marker.write_text(marker.read_text() if marker.exists() else "once")
+    time.sleep(600)
+pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench_server, "GUIDELLM_GRACE_S", 2.0)
+    args = argparse.Namespace(guidellm=str(fake), prompt_min=20, prompt_max=40, new_tokens=4, sweep_size=2)
+    report = bench_server.run_guidellm(args, 1, "m", "kind=concurrent,streams=2", tmp_path / "r.json",
+                                       tmp_path / "r.log", 0.5)
+    assert report == {"benchmarks": []} and marker.read_text() == "once"
+    marker.write_text("always")
+    with pytest.raises(RuntimeError, match="no result in two tries"):
+        bench_server.run_guidellm(args, 1, "m", "kind=concurrent,streams=2", tmp_path / "s.json",
+                                  tmp_path / "s.log", 0.5)
