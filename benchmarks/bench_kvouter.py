@@ -1,5 +1,6 @@
 """KV-outer MSA prefill on the GPU: per-stage times of the Triton pipeline, against dense
-causal SDPA (cuDNN) and FlexAttention with a block mask of the same selections.
+causal SDPA (cuDNN), FlexAttention with a block mask of the same selections, and the
+query-outer tile kernel (``m3_sparse.qouter_attention``) on the same call.
 
 Workload (M3_SPEC section 5, issue 3): Hq 64, Hkv 4, D 128, block 128, top-16, bf16, one
 causal prefill of N tokens (N in 8K/32K/128K) and a batch of 16 x 8K; selections "hot"
@@ -15,6 +16,10 @@ the module is ``m3_sparse.kvouter_attention`` under that config with no workspac
 (one pass, no query slices). ``--comb-config`` sets the combine stage's launch
 (``combine_triton(rows=, num_warps=)``); the module's combine keeps its default, as
 ``KVOuterConfig`` carries no combine settings.
+
+The query-outer kernel's work is its tiles' unions of selected blocks, so each row also gives
+the mean union per (tile, kv head) in blocks (``union``, against the top-k a row attends):
+the ratio the KV-outer / query-outer crossover is read from (``--no-qouter`` skips it).
 
 Times are medians of CUDA-event timings (triton.testing.do_bench, which clears L2 before
 every run; every working set here is far larger than L2 anyway). The module is also timed
@@ -38,8 +43,10 @@ from common import BLOCK, D, GROUP, HKV, HQ, PEAK_BYTES, PEAK_FLOPS, SMOKE, TOPK
 import torch  # noqa: E402
 
 import m3_sparse  # noqa: E402
-from m3_sparse import KVOuterConfig, api, dispatch  # noqa: E402
+from m3_sparse import DenseConfig, KVOuterConfig, api, dispatch  # noqa: E402
 from m3_sparse.core import launch  # noqa: E402
+from m3_sparse.core.validate import attention_args  # noqa: E402
+from m3_sparse.dense import plan as dense_plan  # noqa: E402
 from m3_sparse.kvouter import build_triton, partials_triton, schedule_triton  # noqa: E402
 from m3_sparse.kvouter import plan as kv_plan  # noqa: E402
 from m3_sparse.kvouter import combine_triton as combine_module  # noqa: E402
@@ -88,6 +95,18 @@ def useful_keys(sel: torch.Tensor, seq_len: int) -> int:
     valid = sel >= 0
     keys = torch.where(sel == local, (pos % BLOCK + 1)[:, None, None], BLOCK)
     return int(torch.where(valid, keys, 0).sum())
+
+
+def union_blocks(sel: torch.Tensor, seq_len: int, tile_tokens: int) -> float:
+    """Mean distinct selected blocks per (query tile, kv head) of the query-outer kernel:
+    tiles of ``tile_tokens`` consecutive tokens of one sequence (every sequence here has
+    ``seq_len`` tokens, a multiple of the tile)."""
+    n, heads, topk = sel.shape
+    tiles = sel.view(n // seq_len, seq_len // tile_tokens, tile_tokens, heads, topk)
+    ids = tiles.permute(0, 1, 3, 2, 4).reshape(-1, tile_tokens * topk).sort(-1).values  # [tiles * heads, T*K]
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return float((new & (ids >= 0)).sum()) / ids.shape[0]
 
 
 def traffic(index, n_tokens: int) -> dict:
@@ -267,6 +286,8 @@ def run_config(name, pattern, n_seq, seq_len, args):
         f"attn {tr['attn'] / r['t_attn'] / 1e6:.0f} GB/s, comb {tr['combine'] / r['t_comb'] / 1e6:.0f} GB/s | "
         f"floor {r['floor']:.2f} ms | err {err:.2e} | tiles {r['num_tiles']} nsb {r['nsb']}"
     )
+    if args.qouter:
+        run_qouter(r, p, seq_len)
     if args.dense:
         if name not in DENSE_DONE:  # dense attention does not depend on the selections
             DENSE_DONE[name] = common.cudnn_causal(q, n_seq, seq_len, log)
@@ -288,6 +309,40 @@ def run_config(name, pattern, n_seq, seq_len, args):
 DENSE_DONE: dict = {}
 
 
+def run_qouter(r: dict, p: dict, seq_len: int) -> None:
+    """The query-outer tile kernel on the same call: time (event, host ahead), host time,
+    error, and the union of blocks its tiles walk."""
+    q, k, v, sel, bt, cu, kv = (p[x] for x in ("q", "k", "v", "sel", "bt", "cu", "kv"))
+    cfg = DenseConfig(impl="triton")
+    call = lambda: m3_sparse.qouter_attention(  # noqa: E731
+        q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, max_seqlen_q=seq_len, config=cfg
+    )
+    out, lse = m3_sparse.qouter_attention(
+        q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, max_seqlen_q=seq_len, return_lse=True, config=cfg
+    )
+    r["qouter_err"] = common.sampled_error(p, out, lse, 96)
+    del out, lse
+    args = attention_args(
+        q, k, v, bt, cu_seqlens_q=cu, used_kv_lens=kv, softmax_scale=None, causal=True, return_lse=False,
+        selected=sel, block_size=BLOCK, max_seqlen_q=seq_len,
+    )
+    tm = dense_plan.plan(args, cfg).tm
+    r["qouter_tile_tokens"] = tm
+    r["union"] = union_blocks(sel, seq_len, tm)
+    r["t_qouter"] = common.median_ms(call)
+    r["t_qouter_ahead"] = common.host_ahead_ms(call)
+    r["host_qouter"] = common.host_ms(call)
+    # Its MMA work: every row of a tile against every key of the union (local blocks counted whole).
+    r["qouter_flops"] = int(4 * D * GROUP * r["union"] * BLOCK * tm * HKV * (q.shape[0] // tm))
+    common.empty_cache()
+    log(
+        f"  qouter {r['t_qouter']:.3f} ms (host ahead {r['t_qouter_ahead']:.3f}; host time {r['host_qouter']:.3f}) "
+        f"| union {r['union']:.1f} blocks per tile of {tm} tokens (top-{TOPK}) | "
+        f"{r['qouter_flops'] / r['t_qouter'] / 1e9:.0f} TFLOP/s | err {r['qouter_err']:.2e} | "
+        f"KV-outer / qouter {ratio(r['t_module'], r['t_qouter'])}"
+    )
+
+
 def add_rows(results, r, n_seq, seq_len):
     """One config's stage and module rows."""
     case = f"{r['name']} {r['pattern']}"
@@ -299,6 +354,12 @@ def add_rows(results, r, n_seq, seq_len):
                 host_time_triton_launches_ms=r["host_module_triton"], floor_ms=r["floor"], flops=r["flops"], bytes=r["bytes"],
                 err=r["err"], partials_engine=r["engine"], workspace_bytes=r["workspace"], num_tiles=r["num_tiles"],
                 nsb=r["nsb"], used_entries=r["used"], flex_ms=r["t_flex"], flex_note=r["flex_note"])
+    if "t_qouter" in r:
+        results.add(case, r["t_qouter"], what="qouter_attention (query-outer tiles)", sizes=sizes,
+                    baseline="module: kvouter_attention (Triton stages)", baseline_ms=r["t_module"],
+                    host_ahead_ms=r["t_qouter_ahead"], host_time_ms=r["host_qouter"], flops=r["qouter_flops"],
+                    floor_ms=r["qouter_flops"] / PEAK_FLOPS * 1e3, err=r["qouter_err"],
+                    union_blocks_per_tile=r["union"], tile_tokens=r["qouter_tile_tokens"], topk=TOPK)
     results.add(case, r["t_build"], what="index build (Triton)", sizes=sizes, baseline="index build (torch)",
                 baseline_ms=r["t_build_torch"])
     results.add(case, r["t_sched"], what="schedule (Triton)", sizes=sizes, baseline="schedule (torch)",
@@ -389,7 +450,8 @@ def tune(args, results):
 def table(results):
     head = ["config", "build", "sched", "build torch", "sched torch", "attn", "attn tl", "combine", "module",
             "module, host ahead", "attn TFLOP/s", "module TFLOP/s", "module GB/s", "floor",
-            "module/floor (host ahead)", "workspace GB", "cuDNN dense", "Flex", "dense/module (host ahead)", "err"]
+            "module/floor (host ahead)", "workspace GB", "cuDNN dense", "Flex", "dense/module (host ahead)", "err",
+            "qouter (host ahead)", "union blocks/tile", "module/qouter"]
     rows = []
     for r in results:
         dense = r.get("t_dense")
@@ -401,6 +463,8 @@ def table(results):
             f"{r['t_module'] / r['floor']:.2f} ({r['t_module_ahead'] / r['floor']:.2f})",
             f"{r['workspace'] / 1e9:.2f}", fmt(dense), fmt(r.get("t_flex")),
             f"{ratio(dense, r['t_module'])} ({ratio(dense, r['t_module_ahead'])})", f"{r['err']:.1e}",
+            f"{fmt(r.get('t_qouter'))} ({fmt(r.get('t_qouter_ahead'))})",
+            f"{r['union']:.1f}" if "union" in r else "-", ratio(r["t_module"], r.get("t_qouter")),
         ])
     return common.md_table(head, rows)
 
@@ -422,6 +486,7 @@ def main():
     ap.add_argument("--no-batch", dest="batch", action="store_false", help="skip the 16 x 8K batch")
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
+    ap.add_argument("--no-qouter", dest="qouter", action="store_false", help="skip the query-outer tile kernel")
     ap.add_argument("--flex-configs", default="8K,32K,128K,16x8K", help="configs that run FlexAttention")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--then-run", action="store_true", help="after --tune, run the benchmark with the best variants")

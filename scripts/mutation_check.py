@@ -272,11 +272,31 @@ MUTATIONS = (
         what="a compile-ahead pass launches its kernels instead of only compiling them (every kernel runs twice, "
              "and a kernel that updates its inputs in place updates them twice)",
     ),  # fmt: skip
+    Mutation(
+        name="qouter_rows_take_every_union_block", path="dense/attention_triton.py",
+        old="chose = tl.max((r_ids == blk).to(tl.int32), 1) > 0  # [BM]", new="chose = row_ok  # [BM]",
+        tests=(K + "test_triton_qouter.py::test_qouter_matches_reference",),
+        what="query-outer tiles: every row attends the whole union of its tile's blocks, not only those its "
+             "token chose",
+    ),  # fmt: skip
+    Mutation(
+        name="qouter_union_keeps_repeats", path="dense/attention_triton.py",
+        old="u_keep = u_keep & (tl.max(u_seen.to(tl.int32), 1) == 0)", new="u_keep = u_keep",
+        tests=(K + "test_triton_qouter.py::test_qouter_matches_reference",),
+        what="query-outer tiles: a block that several tokens chose (or one chose twice) is attended once per "
+             "choice",
+    ),  # fmt: skip
+    Mutation(
+        name="qouter_block_end_not_cut", path="dense/attention_triton.py",
+        old="b_lim = tl.where(chose, tl.minimum(lim, b_lo + BS), 0)", new="b_lim = tl.where(chose, lim, 0)",
+        tests=(K + "test_triton_qouter.py::test_qouter_matches_reference[16-16-4-4-6-dtype4-32-None-random]",),
+        what="query-outer tiles: a key tile wider than a block also attends the next block's keys",
+    ),  # fmt: skip
 )
 BY_NAME = {m.name: m for m in MUTATIONS}
 # What CI runs (tests/test_mutations.py): the mutations of the GPU branches the interpreter
-# used to skip, one each of the combine and the index kernel, a plan's launch, and where a
-# serving step puts the index keys.
+# used to skip, one each of the combine and the index kernel, a plan's launch, where a
+# serving step puts the index keys, and the query-outer tiles' rows.
 SHORT = (
     "kvouter_widened_key_scale",
     "decode_widened_key_scale",
@@ -286,6 +306,7 @@ SHORT = (
     "index_tie_to_higher_id",
     "decode_plan_keeps_its_query",
     "serving_index_keys_one_slot_early",
+    "qouter_rows_take_every_union_block",
 )
 
 

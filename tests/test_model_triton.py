@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from m3_hf_attention import M3PagedCache
+from m3_hf_attention._kernel import kernel_module
 from m3_hf_attention.compare import assert_prefill_matches_sdpa
 from model_utils import greedy, random_prompt, save_tiny_text_model
 
@@ -63,3 +64,33 @@ def test_triton_path_generate_matches_sdpa(models, monkeypatch):
     monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
     ids = random_prompt(70, torch.Generator().manual_seed(1))[None].to(device)
     assert greedy(sparse, ids, new_tokens=6).tolist() == greedy(dense, ids, new_tokens=6).tolist()
+
+
+def test_query_outer_prefill_matches_kvouter(models, monkeypatch):
+    """``M3_SPARSE_PREFILL=qouter``: the model's prefill runs its sparse layers on the
+    query-outer tile kernel (the dense kernel's sparse mode) and gives KV-outer's logits."""
+    sparse, _, device = models
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    # Past the decode kernel's bound (256 rows where KV-outer runs the tl kernel).
+    ids = random_prompt(300, torch.Generator().manual_seed(2))[None].to(device)
+    dense_triton = kernel_module("dense.attention_triton")
+    sparse_runs = []
+    real_run = dense_triton.DenseLaunch.run
+
+    def run(self, *args, **kwargs):
+        sparse_runs.append(self.sparse)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(dense_triton.DenseLaunch, "run", run)
+
+    def logits(prefill):
+        monkeypatch.setenv("M3_SPARSE_PREFILL", prefill)
+        cache = M3PagedCache(sparse.config, 1, ids.shape[1] + 4, page_size=16)
+        with torch.no_grad():
+            return sparse(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+    kvouter = logits("kvouter")
+    assert True not in sparse_runs
+    qouter = logits("qouter")
+    assert sparse_runs.count(True) == sum(t == "minimax_m3_sparse" for t in sparse.config.layer_types)
+    torch.testing.assert_close(qouter, kvouter, atol=2e-4, rtol=0)

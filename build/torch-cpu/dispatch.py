@@ -18,7 +18,8 @@
   kernels of a stage runs (``index_engine``, ``partials_engine``);
 * the decode / KV-outer crossover of ``sparse_attention`` (``decode_max_queries``), and
   which sequences of a call that runs KV-outer the decode kernel takes out of it
-  (``mixed_decode_rows``);
+  (``mixed_decode_rows``); past the decode bound, KV-outer or the query-outer tile kernel
+  (``runs_qouter``, ``M3_SPARSE_PREFILL``);
 * the workspace slices of a long KV-outer call (``chunk_tokens``).
 
 Every choice reads host-side facts only (shapes, dtypes, the device's capability), so a
@@ -229,6 +230,10 @@ def decode_unsupported(args: AttnArgs) -> str | None:
     return gpu_unsupported(args.q, _attention_fp8(args)) or decode_plan.shape_reason(args)
 
 
+def qouter_unsupported(args: AttnArgs) -> str | None:
+    return gpu_unsupported(args.q, _attention_fp8(args)) or dense_plan.shape_reason(args)
+
+
 def dense_unsupported(args: AttnArgs) -> str | None:
     return gpu_unsupported(args.q, _attention_fp8(args)) or dense_plan.shape_reason(args)
 
@@ -315,6 +320,36 @@ def runs_decode(args: AttnArgs) -> bool:
     # Where KV-outer's block does not fit the GPU's shared memory (fp32 on a 99 KB GPU) the
     # decode kernel, which streams each block in chunks, runs the call rather than torch.
     return _kvouter_memory_reason(args) is not None and decode_unsupported(args) is None
+
+
+# Past the decode bound, ``sparse_attention`` runs KV-outer or the query-outer tile kernel
+# (``api.qouter_attention``). The tile kernel moves no partials through memory but does the
+# work of its tile's union of blocks, which depends on how alike neighbouring tokens choose:
+# data the host never reads. ``M3_SPARSE_PREFILL`` picks one; "auto" keeps KV-outer for every
+# call until the crossover is measured on the GPU (benchmarks/bench_kvouter.py --qouter).
+PREFILL_KERNELS = ("auto", "kvouter", "qouter")
+
+
+def requested_prefill() -> str:
+    """``M3_SPARSE_PREFILL`` (default "auto"), checked."""
+    env = os.environ.get("M3_SPARSE_PREFILL", "auto").strip().lower() or "auto"
+    if env not in PREFILL_KERNELS:
+        raise ValueError(f"M3_SPARSE_PREFILL: expected one of {PREFILL_KERNELS}, got {env!r}")
+    return env
+
+
+def runs_qouter(args: AttnArgs) -> bool:
+    """Whether ``sparse_attention`` runs a call past the decode bound (``runs_decode`` is
+    False) on the query-outer tile kernel rather than KV-outer: where ``M3_SPARSE_PREFILL=qouter``
+    asks for it. On CUDA a call the kernel cannot take then raises why (a pinned choice is
+    never changed behind the caller's back); off CUDA both run the same torch code."""
+    if requested_prefill() != "qouter":
+        return False
+    if args.q.device.type == "cuda" and requested_impl() != "torch":
+        why = qouter_unsupported(args)
+        if why is not None and not isinstance(why, GPURefusal):  # a refusal raises at the launch
+            raise ValueError(f"M3_SPARSE_PREFILL=qouter: {why}")
+    return True
 
 
 # Query rows of a sequence up to which the decode kernel runs it when other sequences of the

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_555d1266db"
+NAMESPACE = "_m3_sparse_cuda_d698935705"
 
 ops = getattr(torch.ops, NAMESPACE)
 

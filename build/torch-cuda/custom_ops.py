@@ -41,6 +41,10 @@ SCHEMAS = {
         + ", ScalarType? partial_dtype=None",
         "(Tensor, Tensor)",
     ),
+    "qouter_attention": (
+        _SPARSE + ", int max_seqlen_q, float softmax_scale, bool causal, int block_size, " + _QUANT,
+        "(Tensor, Tensor)",
+    ),
     "dense_paged_attention": (
         "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, " + _PAGED
         + ", float softmax_scale, bool causal, " + _QUANT,
@@ -121,6 +125,7 @@ index_topk_op = _register("index_topk")
 kvouter_attention_op = _register("kvouter_attention")
 sparse_decode_attention_op = _register("sparse_decode_attention")
 sparse_attention_op = _register("sparse_attention")
+qouter_attention_op = _register("qouter_attention")
 dense_paged_attention_op = _register("dense_paged_attention")
 
 _OPS = {
@@ -128,5 +133,6 @@ _OPS = {
     "kvouter_attention": kvouter_attention_op,
     "sparse_decode_attention": sparse_decode_attention_op,
     "sparse_attention": sparse_attention_op,
+    "qouter_attention": qouter_attention_op,
     "dense_paged_attention": dense_paged_attention_op,
 }

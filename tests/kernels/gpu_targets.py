@@ -246,6 +246,7 @@ def calls() -> dict[str, Call]:
 
     sparse, decode_op = m3_sparse.sparse_attention, m3_sparse.sparse_decode_attention
     kvouter, dense = m3_sparse.kvouter_attention, m3_sparse.dense_paged_attention
+    qouter = m3_sparse.qouter_attention
     decode, step_chunk, prefill = Batch(4, 1), Batch(2, 64), Batch(2, 512)
     long = Batch(16, 4096, w=128)  # enough row tiles to fill the GPU: no key splits
     long128 = Batch(16, 4096, p=128, w=64)
@@ -323,6 +324,16 @@ def calls() -> dict[str, Call]:
             lambda: attention(kvouter, prefill, q=FP8, config=KVOuterConfig(engine="triton")), fp8=True),
         "KV-outer, Gluon partials pinned": Call(
             lambda: attention(kvouter, prefill, config=KVOuterConfig(engine="tma")), gluon=True),
+        # sparse attention: query-outer tiles (the dense kernel's sparse mode)
+        "query-outer prefill": Call(lambda: attention(qouter, long)),
+        "query-outer prefill, gathered K/V, key splits": Call(
+            lambda: attention(qouter, prefill, config=DenseConfig(use_tma=False, num_splits=2))),
+        "query-outer, fp16, G = 4, pages of 16, blocks of 32, bidirectional": Call(
+            lambda: attention(qouter, Batch(2, 256, p=16, w=64), hq=16, hkv=4, d=64, block=32, q=FP16,
+                              causal=False)),
+        "query-outer prefill, fp32": Call(lambda: attention(qouter, prefill, q=FP32, hq=16)),
+        "query-outer prefill, fp8 q/K/V": Call(lambda: attention(qouter, prefill, q=FP8), fp8=True),
+        "query-outer prefill, fp8 K/V, bf16 q": Call(lambda: attention(qouter, prefill, kv=FP8), fp8=True),
         # dense attention
         "dense prefill": Call(lambda: attention(dense, prefill, sparse=False)),
         "dense long prefill": Call(lambda: attention(dense, long, sparse=False)),

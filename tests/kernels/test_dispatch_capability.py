@@ -159,7 +159,7 @@ def test_tma_key_tiles_from_sm90(act_as, capability):
     act_as(capability)
     with fake_cuda():
         k = cuda(129, 4, 64, 128)
-        why = dense_triton._tma_unusable(k, k, 64, 128)
+        why = dense_triton.tma_unusable(k, k, 64, 128)
     if capability in TMA:
         assert why is None
     else:

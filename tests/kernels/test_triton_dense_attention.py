@@ -274,7 +274,7 @@ def test_tma_boxes_with_nan_slots(use_tma, page_size, block_n, num_splits, causa
     q = randn(g, batch.num_tokens, 8, 32, dtype=torch.bfloat16)
     k = batch.kv_cache(g, 2, 32, torch.bfloat16, garbage=float("nan"))
     v = batch.kv_cache(g, 2, 32, torch.bfloat16, garbage=float("nan"))
-    assert tda._tma_unusable(k, v, block_n, 32) is None
+    assert tda.tma_unusable(k, v, block_n, 32) is None
     out, lse = _run(batch, q, k, v, causal, block_n=block_n, num_splits=num_splits, use_tma=use_tma)
     assert not out.isnan().any()
     _check(batch, q, k, v, causal, torch.bfloat16, out, lse, against_torch=False)
@@ -301,7 +301,7 @@ def test_tma_at_m3_shapes():
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for page_size in (64, 128):
             cache = torch.empty(5, 4, page_size, 128, dtype=dtype)
-            assert tda._tma_unusable(cache, cache, dplan.BLOCK_N, 128) is None
+            assert tda.tma_unusable(cache, cache, dplan.BLOCK_N, 128) is None
 
 
 def test_tma_required_but_unusable():
@@ -324,11 +324,11 @@ def test_tma_required_but_unusable():
 
 def test_tma_reasons():
     cache = torch.empty(0, 2, 64, 32, dtype=torch.bfloat16)
-    assert tda._tma_unusable(cache, cache, 64, 32) == "an empty page pool"
+    assert tda.tma_unusable(cache, cache, 64, 32) == "an empty page pool"
     cache = torch.empty(3, 2, 64, 32, dtype=torch.bfloat16)
-    assert "block_n" in tda._tma_unusable(cache, cache, 128, 32)
-    assert "head dim" in tda._tma_unusable(cache, cache, 64, 64)
-    assert tda._tma_unusable(cache, cache, 32, 32) is None
+    assert "block_n" in tda.tma_unusable(cache, cache, 128, 32)
+    assert "head dim" in tda.tma_unusable(cache, cache, 64, 64)
+    assert tda.tma_unusable(cache, cache, 32, 32) is None
 
 
 def _unaligned_copy(t: torch.Tensor) -> torch.Tensor:

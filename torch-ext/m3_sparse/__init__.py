@@ -6,7 +6,8 @@ Public ops (``api``; token-major queries, paged caches):
 * ``index_topk``: block selection of the index branch;
 * ``sparse_attention``: sparse attention over the selected blocks, the decode kernel or
   KV-outer chosen from the query rows per sequence (``sparse_decode_attention``,
-  ``kvouter_attention``);
+  ``kvouter_attention``; ``qouter_attention``, query-outer over tiles of neighbouring
+  tokens, where ``M3_SPARSE_PREFILL`` asks for it);
 * ``dense_paged_attention``: dense attention over the same paged cache (flash-attn-4, Triton
   or torch; ``dense_paged_attention_kernel`` says which runs a call);
 * ``plan_index_topk``, ``plan_sparse_attention``, ``plan_dense_paged_attention``: those ops
@@ -15,7 +16,7 @@ Public ops (``api``; token-major queries, paged caches):
 * the stages of ``kvouter_attention`` (torch references): ``build_kvouter_index``,
   ``schedule``, ``kvouter_partials``, ``combine``;
 * ``reference``: naive per-token oracles for tests;
-* ``ops``: the five ops as ``torch.library`` custom ops with fake implementations
+* ``ops``: the six ops as ``torch.library`` custom ops with fake implementations
   (``custom_ops``), for ``torch.compile``;
 * launch configs (``IndexConfig``, ``KVOuterConfig``, ``DecodeConfig``, ``DenseConfig``):
   immutable, passed per call.
@@ -47,6 +48,7 @@ from .api import (
     plan_dense_paged_attention,
     plan_index_topk,
     plan_sparse_attention,
+    qouter_attention,
     sparse_attention,
     sparse_decode_attention,
 )
@@ -103,6 +105,7 @@ __all__ = [
     "plan_dense_paged_attention",
     "plan_index_topk",
     "plan_sparse_attention",
+    "qouter_attention",
     "reference",
     "schedule",
     "sparse_attention",

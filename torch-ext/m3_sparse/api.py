@@ -485,6 +485,45 @@ def _decode_launch(args: AttnArgs, cfg: DecodeConfig):
     return decode_triton.DecodeLaunch(args, cfg)
 
 
+# --------------------------------------------------------------------------- query-outer tiles
+@attention_op(without=("partial_dtype",))
+def qouter_attention(
+    args: AttnArgs, *, config: DenseConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block-sparse attention, query-outer over tiles of neighbouring query tokens: each
+    tile (its tokens' heads of one kv head, 128 rows at M3's shapes) reads the union of its
+    tokens' selected blocks once, and a row keeps the keys of the blocks its own token chose.
+    Same arguments and results as :func:`kvouter_attention`.
+
+    No partials go through memory, as they do in KV-outer; the price is the work the union
+    adds over each row's own blocks: none where neighbouring tokens choose alike, at most
+    the dense kernel's over the tile's history where they share nothing. It runs on the
+    dense kernel's tiles (``dense/attention_triton.py``; ``config``: its launch choices,
+    ``DenseConfig``) on CUDA tensors, the torch code elsewhere. ``max_seqlen_q`` (host int,
+    optional) only tunes the tile.
+    """
+    return _qouter(args, config or DENSE_DEFAULTS)
+
+
+def _qouter(args: AttnArgs, cfg: DenseConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    launch = _qouter_launch(args, cfg)
+    if launch is not None:
+        return launch.run(args.q, args.k_cache, args.v_cache, args.selected)
+    return sparse_decode_attention_torch(args)
+
+
+def _qouter_launch(args: AttnArgs, cfg: DenseConfig):
+    """The query-outer kernel's launch for a call it runs (``DenseLaunch`` of a sparse call);
+    None where the torch path runs it."""
+    if cfg.impl == "fa4":
+        raise ValueError("qouter_attention: impl='fa4' pins flash-attn-4, which has no block-sparse attention")
+    if not dispatch.use_triton(args.q, dispatch.qouter_unsupported(args), cfg.impl):
+        return None
+    from .dense import attention_triton as dense_triton
+
+    return dense_triton.DenseLaunch(args, cfg)
+
+
 @attention_op()
 def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block-sparse attention with the kernel chosen from host-known shapes: the
@@ -508,6 +547,8 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
 def _sparse(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
     if dispatch.runs_decode(args):
         return _decode(args, DECODE_DEFAULTS)
+    if dispatch.runs_qouter(args):
+        return _qouter(args, DENSE_DEFAULTS)
     rows = dispatch.mixed_decode_rows(args)
     if rows:
         return _mixed(args, rows)
@@ -553,8 +594,12 @@ class PlannedAttention(_Plan):
 
     def __init__(self, args: AttnArgs):
         self.args = args
-        # The decode kernel's launch where _sparse runs it, else the call goes to _sparse.
-        self._launch = _decode_launch(args, DECODE_DEFAULTS) if dispatch.runs_decode(args) else None
+        # The decode or query-outer kernel's launch where _sparse runs it, else the call goes to _sparse.
+        self._launch = (
+            _decode_launch(args, DECODE_DEFAULTS) if dispatch.runs_decode(args)
+            else _qouter_launch(args, DENSE_DEFAULTS) if dispatch.runs_qouter(args)
+            else None
+        )
 
     def run(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(out [Tq, Hq, D], lse [Hq, Tq] or None) for these tensors (like the planned call's)."""

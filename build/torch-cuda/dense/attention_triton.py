@@ -1,4 +1,5 @@
-"""Triton dense attention over the paged K/V cache (FlashAttention-style forward).
+"""Triton dense attention over the paged K/V cache (FlashAttention-style forward), and
+M3's sparse attention on the same tiles (query-outer over each tile's selected blocks).
 
 Same contract as :func:`attention.dense_paged_attention_torch` (that torch
 version is the oracle): ``out [Tq, Hq, D]`` in q's dtype, ``lse [Hq, Tq]`` fp32 or
@@ -21,6 +22,18 @@ One program per (query tile of one sequence, kv head):
   hold anything: masked scores drop their keys and their V rows are zeroed;
 * online softmax in base 2, fp32 accumulation; only key tiles past the tile's
   smallest visible limit pay for the per-row mask.
+
+**Sparse calls** (``SPARSE``, :func:`api.qouter_attention`): the same tiles run M3's
+block-sparse attention query-outer. A tile's tokens are neighbours, and neighbouring
+queries mostly choose the same blocks, so the program walks the union of its tokens'
+selected blocks (each once: empty slots, repeated ids and blocks past the tile's last
+visible key dropped) instead of every key; a row keeps a block's keys only if its own
+token chose the block, up to its causal limit. Nothing leaves the program but the output:
+no partials go through memory, as they do in KV-outer, at the price of the work the union
+adds over each row's own blocks (none when the tile's tokens agree; when they share
+nothing, as much as the dense kernel's over the tile's history, which bounds it). Key tiles
+divide the block size, so a tile lies in one block. The splits (below) share out the
+union's blocks.
 
 The grid is sized from host-known shapes: sequence ``b``'s tiles are numbered from
 ``cu_seqlens_q[b] // TM + b``, which never overlaps the next sequence's numbering,
@@ -47,7 +60,7 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import (
-    StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, tl_dtype,
+    StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, next_pow2, tl_dtype,
 )
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits, split_workspaces
@@ -64,7 +77,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_key_tile(
+def attend_key_tile(
     acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
     BN: tl.constexpr, PS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, WIDEN_K: tl.constexpr,
@@ -133,6 +146,11 @@ def _dense_paged_attn_kernel(
     scale_ptr,
     k_desc,
     v_desc,
+    sel_ptr,
+    stride_st,
+    stride_sg,
+    stride_sk,
+    topk,
     G: tl.constexpr,
     GP: tl.constexpr,
     TM: tl.constexpr,
@@ -151,6 +169,9 @@ def _dense_paged_attn_kernel(
     PV_DT: tl.constexpr,
     HKV: tl.constexpr,
     TMA: tl.constexpr,
+    SPARSE: tl.constexpr,
+    BS: tl.constexpr,
+    TOPK_P2: tl.constexpr,
 ):
     BM: tl.constexpr = TM * GP
     pid = tl.program_id(0)
@@ -195,13 +216,6 @@ def _dense_paged_attn_kernel(
     # Keys [0, lim) are visible; rows before the first key and padding rows see none.
     lim = tl.where(row_ok & (pos >= 0), lim, 0)
     hi = tl.max(lim, 0)
-    lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
-    # Keys below every row's limit need no mask (and are all < kv_len: real pages).
-    n_full = (lim_min // BN) * BN
-    # This split's share of the key tiles [0, cdiv(hi, BN)).
-    per_split = ((hi + BN - 1) // BN + num_splits - 1) // num_splits
-    k_lo = split * per_split * BN
-    k_hi = tl.minimum(k_lo + per_split * BN, hi)
 
     p_q = q_ptr + (tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh)[:, None] + offs_d[None, :]
     b_q = tl.load(p_q, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BM, BD]
@@ -212,18 +226,67 @@ def _dense_paged_attn_kernel(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for start_n in range(k_lo, tl.minimum(n_full, k_hi), BN):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, False, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
-        )
-    for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
-        acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
-            stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
-            BN, PS, True, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
-        )
+    if SPARSE:
+        # The tile's selected ids as one list, slot s of token q_start + i at i * TOPK_P2 + s.
+        # An id is kept where its block starts below the tile's last visible key and no
+        # earlier entry of the list holds it: the kept ids are the tile's union of blocks,
+        # each once, numbered 0 .. n_union - 1 in list order.
+        offs_u = tl.arange(0, TM * TOPK_P2)
+        u_tok = q_start + offs_u // TOPK_P2
+        u_ids = tl.load(
+            sel_ptr + u_tok.to(tl.int64) * stride_st + g * stride_sg + (offs_u % TOPK_P2) * stride_sk,
+            mask=(u_tok < q_end) & (offs_u % TOPK_P2 < topk), other=-1,
+        ).to(tl.int32)  # [TM * TOPK_P2]
+        # (The id bound first, so that an id far out of range cannot overflow id * BS.)
+        u_keep = (u_ids >= 0) & (u_ids < (hi + BS - 1) // BS)
+        u_seen = (u_ids[:, None] == u_ids[None, :]) & (offs_u[None, :] < offs_u[:, None])  # [TM*TOPK_P2]^2
+        u_keep = u_keep & (tl.max(u_seen.to(tl.int32), 1) == 0)
+        u_rank = tl.where(u_keep, tl.cumsum(u_keep.to(tl.int32), 0) - 1, -1)
+        n_union = tl.sum(u_keep.to(tl.int32), 0)
+        # Each row's own selection: a row attends a block of the union only if its token chose it.
+        offs_s = tl.arange(0, TOPK_P2)
+        r_ids = tl.load(
+            sel_ptr + tok.to(tl.int64)[:, None] * stride_st + g * stride_sg + offs_s[None, :] * stride_sk,
+            mask=row_ok[:, None] & (offs_s < topk)[None, :], other=-1,
+        ).to(tl.int32)  # [BM, TOPK_P2]
+        # This split's share of the union's blocks.
+        per_split = (n_union + num_splits - 1) // num_splits
+        u_lo = split * per_split
+        u_hi = tl.minimum(u_lo + per_split, n_union)
+        for u in range(u_lo, u_hi):
+            blk = tl.max(tl.where(u_rank == u, u_ids, -1), 0)
+            chose = tl.max((r_ids == blk).to(tl.int32), 1) > 0  # [BM]
+            # Rows that did not choose the block see none of its keys, the others its keys up
+            # to their limit (and none of the next block's, where a key tile runs past it).
+            b_lo = blk * BS
+            b_lim = tl.where(chose, tl.minimum(lim, b_lo + BS), 0)  # [BM]
+            b_hi = tl.max(b_lim, 0)
+            for start_n in range(b_lo, b_hi, BN):
+                acc, m_i, l_i = attend_key_tile(
+                    acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, b_hi, b_lim, kv_head_off_k,
+                    kv_head_off_v, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+                    BN, PS, True, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+                )
+    else:
+        lim_min = tl.min(tl.where(row_ok, lim, 2147483647), 0)
+        # Keys below every row's limit need no mask (and are all < kv_len: real pages).
+        n_full = (lim_min // BN) * BN
+        # This split's share of the key tiles [0, cdiv(hi, BN)).
+        per_split = ((hi + BN - 1) // BN + num_splits - 1) // num_splits
+        k_lo = split * per_split * BN
+        k_hi = tl.minimum(k_lo + per_split * BN, hi)
+        for start_n in range(k_lo, tl.minimum(n_full, k_hi), BN):
+            acc, m_i, l_i = attend_key_tile(
+                acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+                stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+                BN, PS, False, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+            )
+        for start_n in range(tl.maximum(n_full, k_lo), k_hi, BN):
+            acc, m_i, l_i = attend_key_tile(
+                acc, m_i, l_i, b_q, k_ptr, v_ptr, bt_row_ptr, start_n, hi, lim, kv_head_off_k, kv_head_off_v,
+                stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, offs_n, offs_d, d_ok,
+                BN, PS, True, PREC, WIDEN_K, PV_DT, k_desc, v_desc, g, HKV, TMA,
+            )
 
     if KV_FP8:
         acc = acc * tl.load(scale_ptr + 2)
@@ -245,7 +308,7 @@ def _dense_paged_attn_kernel(
         tl.store(l_ptr + ws_row, l_i, mask=row_ok)
 
 
-def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int) -> str | None:
+def tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int) -> str | None:
     """Why the key tiles cannot be TMA boxes of the caches seen as ``[rows, D]``
     (None: they can). A box must lie in one page, cover the whole head dim and start on
     a 16-byte aligned, int32-addressable row; the copy engine exists from sm_90 on."""
@@ -271,6 +334,20 @@ def _tma_unusable(k_cache: torch.Tensor, v_cache: torch.Tensor, bn: int, bd: int
     return None
 
 
+def qouter_attention_triton(
+    q, k_cache, v_cache, selected, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale=None, causal=True,
+    block_size=128, return_lse=False, max_seqlen_q=None, config: DenseConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``qouter_attention`` on the Triton kernel whatever the device (the interpreter on the
+    CPU), float inputs, with the launch choices of ``config`` (kernel tests)."""
+    args = attention_args(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens,
+        softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, selected=selected, block_size=block_size,
+        allow_fp8=False, max_seqlen_q=max_seqlen_q,
+    )
+    return run_dense_triton(args, config or DEFAULT_CONFIG)
+
+
 def dense_paged_attention_triton(
     q, k_cache, v_cache, block_tables, *, cu_seqlens_q, used_kv_lens, softmax_scale=None, causal=True,
     return_lse=False, max_seqlen_q=None, config: DenseConfig | None = None,
@@ -286,11 +363,11 @@ def dense_paged_attention_triton(
 
 
 def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The dense kernel (and the split merge) on a checked call. Returns (out [Tq, Hq, D] in
-    ``args.out_dtype``, lse [Hq, Tq] fp32 or None). ``args.max_seqlen_q`` (an upper bound is
+    """The dense kernel (and the split merge) on a checked call, sparse where ``args`` has a
+    selection. Returns (out [Tq, Hq, D] in ``args.out_dtype``, lse [Hq, Tq] fp32 or None). ``args.max_seqlen_q`` (an upper bound is
     enough) only shrinks the query tile for decode-like batches; launch choices never change
     results beyond rounding."""
-    return DenseLaunch(args, cfg or DEFAULT_CONFIG).run(args.q, args.k_cache, args.v_cache)
+    return DenseLaunch(args, cfg or DEFAULT_CONFIG).run(args.q, args.k_cache, args.v_cache, args.selected)
 
 
 class DenseLaunch:
@@ -310,12 +387,14 @@ class DenseLaunch:
             args.block_tables, args.cu_seqlens_q, args.used_kv_lens
         )
         num_tokens, batch = args.num_tokens, args.batch
-        self.empty = num_tokens == 0 or batch <= 0
+        self.sparse = args.selected is not None
+        self.topk = topk = args.selected.shape[2] if self.sparse else 0
+        self.empty = num_tokens == 0 or batch <= 0 or (self.sparse and topk == 0)
         if self.empty:
             return
         p = self.plan = plan(args, cfg)
         self.final = p.num_splits == 1
-        why_not = _tma_unusable(args.k_cache, args.v_cache, p.bn, p.bd)
+        why_not = tma_unusable(args.k_cache, args.v_cache, p.bn, p.bd)
         if cfg.use_tma and why_not:
             raise ValueError(f"use_tma=True: the K/V pages cannot be loaded as TMA boxes here: {why_not}")
         self.tma = why_not is None and cfg.use_tma is not False
@@ -332,6 +411,7 @@ class DenseLaunch:
             PREC="ieee" if args.q.dtype == torch.float32 else None,
             FINAL=self.final, Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
             PV_DT=tl_dtype(args.out_dtype), HKV=args.hkv,
+            SPARSE=self.sparse, BS=args.block_size if self.sparse else 1, TOPK_P2=max(2, next_pow2(topk)),
             num_warps=p.num_warps, num_stages=p.num_stages,
         )
 
@@ -359,11 +439,17 @@ class DenseLaunch:
             )
         return pair
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, selected: torch.Tensor | None = None):
         """(out, lse) of the planned call with these tensors (the caller's shapes, strides and
-        dtypes are the planned call's: ``api.PlannedDenseAttention`` checks them)."""
+        dtypes are the planned call's: ``api.PlannedDenseAttention`` and ``api.PlannedAttention``
+        check them); ``selected`` for a sparse call, and only for one."""
         args = self.args
-        out, lse = args.new_outputs()
+        if (selected is not None) != self.sparse:
+            raise ValueError(
+                "a sparse launch runs with a selection, a dense one without: "
+                f"planned {'with' if self.sparse else 'without'}, run {'with' if selected is not None else 'without'}"
+            )
+        out, lse = args.new_outputs(no_keys=self.sparse and self.topk == 0)
         if self.empty:
             return out, lse
         if self.final:
@@ -383,6 +469,7 @@ class DenseLaunch:
             l_buf, *self.ints, self.scale,
             args.scales if args.scales is not None else l_buf,
             k_desc, v_desc,
+            *((selected, *selected.stride()) if self.sparse else (block_tables, 0, 0, 0)), self.topk,
             TMA=pair is not None, **self.constants,
         )
         if not self.final:

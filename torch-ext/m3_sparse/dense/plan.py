@@ -35,7 +35,7 @@ class DenseConfig:
     it need not divide the page size); ``num_splits`` (1..``MAX_SPLITS``) splits every tile's
     keys, by default from the shapes: ``programs_per_sm`` programs per SM with at least
     ``min_key_tiles`` key tiles per split; ``use_tma``: load each key tile as one TMA box of
-    its page (None: wherever ``_tma_unusable`` finds no obstacle; True: required, a
+    its page (None: wherever ``tma_unusable`` finds no obstacle; True: required, a
     ValueError says why not; False: gathered pointer loads).
     """
 
@@ -123,11 +123,45 @@ def default_num_splits(
     return max(1, min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1)))
 
 
+# A sparse call (query-outer over each tile's union of selected blocks, ``api.qouter_attention``)
+# compares each of the tile's selection slots with every other to drop repeated ids:
+# (tokens x topk)^2 values in registers. Its tiles take at most UNION_SLOTS slots (fewer
+# tokens for a wide top-k) and never more than MAX_UNION_SLOTS (where 16 rows, the smallest
+# MMA tile, bring more; such a call is refused).
+UNION_SLOTS = 128
+MAX_UNION_SLOTS = 512
+
+
+def union_tile_tokens(tm: int, group_pad: int, topk: int) -> int:
+    """Tokens per tile of a sparse call: ``tm`` capped so that the tile's selection slots stay
+    within UNION_SLOTS, yet at least 16 rows."""
+    cap = max(1, UNION_SLOTS // max(2, next_pow2(topk)))
+    return max(min(tm, cap), next_pow2(-(-16 // group_pad)))
+
+
+def union_block_n(bn: int, block_size: int) -> int:
+    """Keys per tile of a sparse call: the largest power of two up to ``bn`` that divides the
+    block size, so that a key tile lies in one block (whose rows are those that chose it)."""
+    while bn > 16 and block_size % bn:
+        bn //= 2
+    return bn
+
+
 def shape_reason(args: AttnArgs) -> str | None:
     """Why the kernel cannot take this call (None when it can)."""
     for name, t in (("q", args.q), ("k_cache", args.k_cache), ("v_cache", args.v_cache)):
         if t.stride(-1) != 1:
             return f"the Triton dense kernel needs {name} with a contiguous head dim (stride 1), got stride {t.stride(-1)}"
+    if args.selected is not None:
+        if args.block_size % 16:
+            return f"the query-outer sparse kernel needs a block_size that is a multiple of 16, got {args.block_size}"
+        topk = args.selected.shape[2]
+        tm = union_tile_tokens(1, next_pow2(args.group), topk)
+        if tm * max(2, next_pow2(topk)) > MAX_UNION_SLOTS:
+            return (
+                f"the query-outer sparse kernel takes at most {MAX_UNION_SLOTS} selection slots per tile; "
+                f"{tm} tokens (16 rows at {args.group} heads per kv head) x topk {topk} need more"
+            )
     return None
 
 
@@ -136,9 +170,14 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
     gp = next_pow2(args.group)
     block_m = default_block_m(args.q.dtype) if cfg.block_m is None else int(cfg.block_m)
     tm = tile_tokens(gp, args.rows_per_seq, block_m)
+    sparse = args.selected is not None
+    if sparse:
+        tm = union_tile_tokens(tm, gp, args.selected.shape[2])
     bn = default_block_n(tm * gp, args.page_size, args.q.dtype) if cfg.block_n is None else int(cfg.block_n)
     if bn < 16 or bn & (bn - 1):
         raise ValueError(f"block_n: the Triton kernel needs a power of two >= 16, got {bn}")
+    if sparse and cfg.block_n is None:
+        bn = union_block_n(bn, args.block_size)
     # An fp8 MMA reduces over at least 32 elements: pad the head-dim tile (masked) to 32.
     bd = max(32 if args.q_fp8 else 16, next_pow2(args.d))
     if cfg.block_n is None:
@@ -150,6 +189,8 @@ def plan(args: AttnArgs, cfg: DenseConfig = DEFAULT_CONFIG) -> DensePlan:
     num_splits = cfg.num_splits
     if num_splits is None:
         capacity = args.block_tables.shape[1] * args.page_size
+        if sparse:  # a row attends at most topk blocks
+            capacity = min(capacity, args.selected.shape[2] * args.block_size)
         num_splits = default_num_splits(args.num_tokens, args.batch, args.hkv, tm, capacity, args.q.device, bn, cfg)
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:
