@@ -112,6 +112,12 @@ missing) and ``bench_generate.log``. The markdown table is printed last.
     python3 benchmarks/bench_generate.py --layers sfs --sizes 8k,32k   # a subset
     python3 benchmarks/bench_generate.py --configs m3_sparse,m3_sparse-eager --baseline out/bench_generate.json
     python3 benchmarks/bench_generate.py --quick                      # tiny CPU smoke run
+    python3 benchmarks/bench_generate.py --layers sssfsssfsssf --sizes 1m --configs m3_sparse \
+        --prefill-chunk 65536 --step-pairs 1                          # one million tokens
+
+``--fp8 index|kv|both`` gives the m3_sparse rows a cache with e4m3 index keys, K/V pages or
+both (``M3PagedCache``'s ``index_key_dtype`` / ``kv_cache_dtype``; K/V scales 1.0, which suit
+this model's random weights, not a trained one's).
 """
 
 from __future__ import annotations
@@ -182,6 +188,8 @@ CONFIGS = {c.name: c for c in (
            "transformers' sdpa path of the same model (dense [B, Hq, Sq, Sk] block mask), dynamic cache"),
 )}
 DEFAULT_CONFIGS = "dense,dense-eager,m3_sparse,m3_sparse-eager"
+FP8_CACHES = ("none", "index", "kv", "both")
+FP8_NOTES = {"index": "index keys", "kv": "K/V pages", "both": "index keys and K/V pages"}
 DEFAULT_SIZES = "8k,32k,128k,16x8k,32x32k,512k"
 DEFAULT_LAYERS = "sfs,sssfsssfsssf"
 
@@ -273,6 +281,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=None,
                    help="m3_sparse rows: pass generate() an M3PagedCache of this page size (default: none passed, "
                    "generate() builds its own with the default page size)")
+    p.add_argument("--fp8", default="none", choices=FP8_CACHES,
+                   help="m3_sparse rows: pass generate() an M3PagedCache with e4m3 index keys (index, per-token "
+                   "scales), e4m3 K/V pages (kv, scales 1.0) or both (default none: the model dtype)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="pass generate() prefill_chunk_size (transformers' chunked prefill) in every call; for a "
                    "batch whose one-pass prefill does not fit in memory (default: none, one pass)")
@@ -439,9 +450,14 @@ def call_args(config: Config, model, shape: Shape, args):
     length = shape.context + args.new_tokens
     if config.model == "dense":
         extra[m3_hf_attention.CACHE_KEYWORD] = StaticCache(config=model.config, max_cache_len=length)
-    elif args.page_size is not None:
-        extra[m3_hf_attention.CACHE_KEYWORD] = m3_hf_attention.M3PagedCache(
-            model.config, shape.batch, length, page_size=args.page_size)
+    elif config.attn == "m3_sparse" and (args.page_size is not None or args.fp8 != "none"):
+        fp8 = torch.float8_e4m3fn
+        kw = {} if args.page_size is None else {"page_size": args.page_size}
+        if args.fp8 in ("kv", "both"):
+            kw["kv_cache_dtype"] = fp8
+        if args.fp8 in ("index", "both"):
+            kw["index_key_dtype"] = fp8
+        extra[m3_hf_attention.CACHE_KEYWORD] = m3_hf_attention.M3PagedCache(model.config, shape.batch, length, **kw)
     elif config.attn == "m3_sparse":
         extra["max_cache_len"] = length  # generate() sizes its own M3PagedCache from it
     if args.prefill_chunk:
@@ -568,25 +584,32 @@ def free_memory(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------
 # what will not fit
 # ---------------------------------------------------------------------------------------
-def memory_need(config: Config, shape: Shape, cfg: MiniMaxM3VLTextConfig, new_tokens: int, elem: int = 2) -> dict:
+def memory_need(config: Config, shape: Shape, cfg: MiniMaxM3VLTextConfig, new_tokens: int, elem: int = 2,
+                prefill_chunk: int | None = None, fp8: str = "none") -> dict:
     """Rough bytes a cell needs beyond the models' weights (``elem`` bytes per element):
 
     * cache: K and V of every layer for prompt + new tokens (and the sparse layers' index
-      keys, ``m3_sparse``);
+      keys, ``m3_sparse``; one byte an element where ``fp8`` stores them in e4m3, plus a
+      4-byte scale per index key);
     * prefill: about six q-sized tensors per token alive at a layer's peak (q in its
       projected, rotated and transposed forms, the attention output; measured 95-99 KB per
-      token with M3's shapes at 128K-512K, docs/perf-log/2026-11-29.md);
+      token with M3's shapes at 128K-512K, docs/perf-log/2026-11-29.md), for the tokens of
+      one forward pass (a chunk with ``prefill_chunk``);
     * the dense twin's decode: SDPA with a padding mask gets K/V repeated to Hq heads;
     * ``sdpa``: transformers' block mask, ``sdpa_mask_bytes``.
 
     The cache plus the largest transient."""
     rows = shape.batch * (shape.context + new_tokens)
     q_elems = cfg.num_attention_heads * cfg.head_dim
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+    fp8 = fp8 if config.attn == "m3_sparse" else "none"
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * (1 if fp8 in ("kv", "both") else elem)
+    index = cfg.index_head_dim + 4 if fp8 in ("index", "both") else cfg.index_head_dim * elem
     sparse_layers = sum(t == SPARSE for t in cfg.layer_types) if config.model == "sparse" else 0
+    # generate() prefills a batch in chunks of prefill_chunk tokens of each row.
+    pass_tokens = shape.batch * min(shape.context, prefill_chunk) if prefill_chunk else shape.tokens
     need = {
-        "cache": rows * (cfg.num_hidden_layers * kv + sparse_layers * cfg.index_head_dim * elem),
-        "prefill": shape.tokens * 6 * q_elems * elem,
+        "cache": rows * (cfg.num_hidden_layers * kv + sparse_layers * index),
+        "prefill": pass_tokens * 6 * q_elems * elem,
         "decode": 2 * rows * q_elems * elem if config.model == "dense" else 0,
         "mask": sdpa_mask_bytes(cfg, shape) if config.name == "sdpa" else 0,
     }
@@ -610,7 +633,7 @@ def sdpa_mask_bytes(cfg: MiniMaxM3VLTextConfig, shape: Shape) -> int:
 def plan_skip(config: Config, shape: Shape, args, cfg) -> str | None:
     if args.device.type != "cuda":
         return None
-    need = memory_need(config, shape, cfg, args.new_tokens)
+    need = memory_need(config, shape, cfg, args.new_tokens, prefill_chunk=args.prefill_chunk, fp8=args.fp8)
     free_memory(args.device)
     free, _ = torch.cuda.mem_get_info(args.device)
     if need["total"] <= args.mem_frac * free:
@@ -884,7 +907,8 @@ def setup_lines(args, cfg, env, cudnn: str) -> list[str]:
         f"top-{cfg.index_topk_blocks}, local blocks {cfg.index_local_blocks}; hidden {cfg.hidden_size}, dense MLP "
         f"{cfg.dense_intermediate_size}, vocab {cfg.vocab_size}; {str(args.dtype).removeprefix('torch.')}.",
         f"- Greedy generate() of {args.new_tokens} new tokens (no end-of-sequence token, no logits processor"
-        + (f", prefill in chunks of {args.prefill_chunk} tokens" if args.prefill_chunk else "") + "), "
+        + (f", prefill in chunks of {args.prefill_chunk} tokens" if args.prefill_chunk else "")
+        + (f", m3_sparse caches with e4m3 {FP8_NOTES[args.fp8]}" if args.fp8 != "none" else "") + "), "
         f"median of {args.reps} measured call(s) after a warm-up call (none for an eager row right after its "
         "compiled twin). TTFT: generate() call to first token (streamer stamp after torch.cuda.synchronize), "
         f"prefill and setup included; step ms: (time of a call of {args.new_tokens} tokens - time of a call of 2) / "

@@ -88,10 +88,10 @@ def parser(doc: str | None, **common) -> argparse.ArgumentParser:
 
 
 def count(text: str) -> int:
-    """'8192' or '8k' -> 8192."""
+    """'8192' or '8k' -> 8192; '1m' -> 1048576."""
     t = text.strip().lower()
-    mult = 1024 if t.endswith("k") else 1
-    return int(t.removesuffix("k")) * mult
+    mult = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
+    return int(t[:-1] if mult > 1 else t) * mult
 
 
 def int_list(text: str) -> list[int]:
@@ -190,7 +190,9 @@ def ratio(a, b, nd: int = 1) -> str:
 
 
 def tokens_label(n: int) -> str:
-    """8192 -> '8K', 1000 -> '1000'."""
+    """8192 -> '8K', 1048576 -> '1M', 1000 -> '1000'."""
+    if n and n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
     return f"{n // 1024}K" if n and n % 1024 == 0 else str(n)
 
 

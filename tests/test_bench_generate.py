@@ -184,6 +184,43 @@ def test_memory_need_matches_a_measured_peak(bg):
     assert sdpa["total"] > 1000 * GIB
 
 
+def test_fp8_caches_and_chunks_in_the_memory_need(bg):
+    """A chunked prefill needs the transients of one chunk; e4m3 pages halve the K/V cache
+    (index keys: one byte an element and a 4-byte scale). The 12-layer model at one million
+    tokens fits an H200 only in chunks."""
+    args = bg.parse_args(["--layers", "sssfsssfsssf", "--sizes", "1m", "--device", "cpu"])
+    assert args.sizes == [bg.Shape(1, 1 << 20)]
+    cfg = bg.text_config(args, bg.layer_types("sssfsssfsssf"))
+    sparse, shape = bg.CONFIGS["m3_sparse"], args.sizes[0]
+    whole = bg.memory_need(sparse, shape, cfg, 20)
+    chunked = bg.memory_need(sparse, shape, cfg, 20, prefill_chunk=65536)
+    assert chunked["prefill"] * 16 == whole["prefill"] and chunked["cache"] == whole["cache"]
+    assert chunked["total"] < 64 * GIB < whole["total"]
+    kv = bg.memory_need(sparse, shape, cfg, 20, prefill_chunk=65536, fp8="kv")
+    both = bg.memory_need(sparse, shape, cfg, 20, prefill_chunk=65536, fp8="both")
+    rows, layers, sparse_layers = shape.context + 20, 12, 9
+    assert chunked["cache"] - kv["cache"] == rows * layers * 2 * 4 * 128
+    assert kv["cache"] - both["cache"] == rows * sparse_layers * (128 - 4)
+    # The dense twin's cache never changes with --fp8.
+    dense = bg.CONFIGS["dense"]
+    assert bg.memory_need(dense, shape, cfg, 20, fp8="both") == bg.memory_need(dense, shape, cfg, 20)
+
+
+def test_fp8_flag_builds_the_cache_it_names(bg):
+    import m3_hf_attention
+
+    fp8 = torch.float8_e4m3fn
+    model = None
+    for flag, kv, index in (("both", fp8, fp8), ("kv", fp8, None), ("index", None, fp8)):
+        args = bg.parse_args(["--quick", "--fp8", flag, "--page-size", "16"])
+        model = model or bg.build_models(args, "sf", torch.float32)["sparse"]
+        cache = bg.call_args(bg.CONFIGS["m3_sparse"], model, bg.Shape(1, 64), args)[m3_hf_attention.CACHE_KEYWORD]
+        assert (cache.kv_cache_dtype, cache.index_key_dtype, cache.page_size) == (kv, index, 16)
+    # Without --fp8 or --page-size, generate() builds its own cache.
+    args = bg.parse_args(["--quick"])
+    assert m3_hf_attention.CACHE_KEYWORD not in bg.call_args(bg.CONFIGS["m3_sparse"], model, bg.Shape(1, 64), args)
+
+
 def test_arguments_are_checked(bg):
     args = bg.parse_args(["--quick"])
     assert (args.new_tokens, args.profile_steps, args.patterns) == (8, 2, ["sf"])

@@ -533,7 +533,9 @@ def sparse_attention(args: AttnArgs) -> tuple[torch.Tensor, torch.Tensor | None]
 
     In a KV-outer call of several sequences on the kernels, the sequences of at most
     ``dispatch.MIXED_DECODE_ROWS`` rows (a serving step's decode rows beside its prefill
-    chunks) run the decode kernel (:func:`_mixed`).
+    chunks) run the decode kernel (:func:`_mixed`). Past the decode bound,
+    ``M3_SPARSE_PREFILL=qouter`` runs :func:`qouter_attention` instead of KV-outer
+    (``dispatch.runs_qouter``).
 
     ``max_seqlen_q``: an upper bound of the query rows of one sequence (a host int; the
     number of query tokens ``Tq`` stands in when it is not given). Never read from the

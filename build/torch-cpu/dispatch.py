@@ -230,12 +230,12 @@ def decode_unsupported(args: AttnArgs) -> str | None:
     return gpu_unsupported(args.q, _attention_fp8(args)) or decode_plan.shape_reason(args)
 
 
-def qouter_unsupported(args: AttnArgs) -> str | None:
-    return gpu_unsupported(args.q, _attention_fp8(args)) or dense_plan.shape_reason(args)
-
-
 def dense_unsupported(args: AttnArgs) -> str | None:
     return gpu_unsupported(args.q, _attention_fp8(args)) or dense_plan.shape_reason(args)
+
+
+# The query-outer tile kernel is the dense kernel's sparse mode (its shape reasons cover both).
+qouter_unsupported = dense_unsupported
 
 
 DENSE_IMPLS = IMPLS + ("fa4",)
@@ -326,7 +326,7 @@ def runs_decode(args: AttnArgs) -> bool:
 # (``api.qouter_attention``). The tile kernel moves no partials through memory but does the
 # work of its tile's union of blocks, which depends on how alike neighbouring tokens choose:
 # data the host never reads. ``M3_SPARSE_PREFILL`` picks one; "auto" keeps KV-outer for every
-# call until the crossover is measured on the GPU (benchmarks/bench_kvouter.py --qouter).
+# call until the crossover is measured on the GPU (benchmarks/bench_kvouter.py times both).
 PREFILL_KERNELS = ("auto", "kvouter", "qouter")
 
 
@@ -342,7 +342,7 @@ def runs_qouter(args: AttnArgs) -> bool:
     """Whether ``sparse_attention`` runs a call past the decode bound (``runs_decode`` is
     False) on the query-outer tile kernel rather than KV-outer: where ``M3_SPARSE_PREFILL=qouter``
     asks for it. On CUDA a call the kernel cannot take then raises why (a pinned choice is
-    never changed behind the caller's back); off CUDA both run the same torch code."""
+    never changed behind the caller's back); off CUDA the torch code runs either way."""
     if requested_prefill() != "qouter":
         return False
     if args.q.device.type == "cuda" and requested_impl() != "torch":

@@ -237,7 +237,7 @@ def _dense_paged_attn_kernel(
             sel_ptr + u_tok.to(tl.int64) * stride_st + g * stride_sg + (offs_u % TOPK_P2) * stride_sk,
             mask=(u_tok < q_end) & (offs_u % TOPK_P2 < topk), other=-1,
         ).to(tl.int32)  # [TM * TOPK_P2]
-        # (The id bound first, so that an id far out of range cannot overflow id * BS.)
+        # (Compared in blocks: an id far out of range would overflow id * BS.)
         u_keep = (u_ids >= 0) & (u_ids < (hi + BS - 1) // BS)
         u_seen = (u_ids[:, None] == u_ids[None, :]) & (offs_u[None, :] < offs_u[:, None])  # [TM*TOPK_P2]^2
         u_keep = u_keep & (tl.max(u_seen.to(tl.int32), 1) == 0)
