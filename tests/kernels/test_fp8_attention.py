@@ -71,6 +71,7 @@ OPS = {
     "sparse_decode": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=1, **kw),
     "sparse_kvouter": lambda *a, **kw: m3_sparse.sparse_attention(*a, max_seqlen_q=4096, **kw),
     "dense": lambda q, k, v, sel, bt, block_size, **kw: m3_sparse.dense_paged_attention(q, k, v, bt, **kw),
+    "qouter": lambda *a, **kw: m3_sparse.qouter_attention(*a, **kw),
 }
 SPARSE_BRANCH = {"sparse_decode": "decode", "sparse_kvouter": "kvouter"}
 
