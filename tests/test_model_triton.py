@@ -71,8 +71,12 @@ def test_query_outer_prefill_matches_kvouter(models, monkeypatch):
     query-outer tile kernel (the dense kernel's sparse mode) and gives KV-outer's logits."""
     sparse, _, device = models
     monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
-    # Past the decode kernel's bound (256 rows where KV-outer runs the tl kernel).
-    ids = random_prompt(300, torch.Generator().manual_seed(2))[None].to(device)
+    # The decode kernel's bound lowered below the prompt, so that its prefill runs past it at
+    # a length the interpreter runs quickly.
+    dispatch = kernel_module("dispatch")
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES", 32)
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES_TL", 32)
+    ids = random_prompt(70, torch.Generator().manual_seed(2))[None].to(device)
     dense_triton = kernel_module("dense.attention_triton")
     sparse_runs = []
     real_run = dense_triton.DenseLaunch.run
