@@ -19,7 +19,8 @@ the module is ``m3_sparse.kvouter_attention`` under that config with no workspac
 
 The query-outer kernel's work is its tiles' unions of selected blocks, so each row also gives
 the mean union per (tile, kv head) in blocks (``union``, against the top-k a row attends):
-the ratio the KV-outer / query-outer crossover is read from (``--no-qouter`` skips it).
+the ratio the KV-outer / query-outer crossover is read from (``--no-qouter`` skips it;
+``--qouter-variants`` times its launch choices too).
 
 Times are medians of CUDA-event timings (triton.testing.do_bench, which clears L2 before
 every run; every working set here is far larger than L2 anyway). The module is also timed
@@ -287,7 +288,7 @@ def run_config(name, pattern, n_seq, seq_len, args):
         f"floor {r['floor']:.2f} ms | err {err:.2e} | tiles {r['num_tiles']} nsb {r['nsb']}"
     )
     if args.qouter:
-        run_qouter(r, p, seq_len)
+        run_qouter(r, p, seq_len, args.qouter_variants)
     if args.dense:
         if name not in DENSE_DONE:  # dense attention does not depend on the selections
             DENSE_DONE[name] = common.cudnn_causal(q, n_seq, seq_len, log)
@@ -309,9 +310,10 @@ def run_config(name, pattern, n_seq, seq_len, args):
 DENSE_DONE: dict = {}
 
 
-def run_qouter(r: dict, p: dict, seq_len: int) -> None:
+def run_qouter(r: dict, p: dict, seq_len: int, variants=()) -> None:
     """The query-outer tile kernel on the same call: time (event, host ahead), host time,
-    error, and the union of blocks its tiles walk."""
+    error, and the union of blocks its tiles walk; then each launch variant's time
+    (``--qouter-variants``: block_m, block_n, num_warps, num_stages of ``DenseConfig``)."""
     q, k, v, sel, bt, cu, kv = (p[x] for x in ("q", "k", "v", "sel", "bt", "cu", "kv"))
     cfg = DenseConfig(impl="triton")
     call = lambda: m3_sparse.qouter_attention(  # noqa: E731
@@ -341,6 +343,21 @@ def run_qouter(r: dict, p: dict, seq_len: int) -> None:
         f"{r['qouter_flops'] / r['t_qouter'] / 1e9:.0f} TFLOP/s | err {r['qouter_err']:.2e} | "
         f"KV-outer / qouter {ratio(r['t_module'], r['t_qouter'])}"
     )
+    r["qouter_variants"] = {}
+    for bm, bn, warps, stages in variants:
+        label = f"{bm}:{bn}:{warps}:{stages}"
+        vcfg = DenseConfig(impl="triton", block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        try:
+            ms = common.median_ms(lambda: m3_sparse.qouter_attention(  # noqa: B023 - called in this iteration
+                q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, max_seqlen_q=seq_len, config=vcfg))
+        except Exception as e:  # noqa: BLE001 - a variant the GPU cannot run (shared memory) is reported
+            log(f"  qouter variant {label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            ms = None
+        r["qouter_variants"][label] = ms
+        if ms is not None:
+            log(f"  qouter variant {label} (block_m:block_n:warps:stages) {ms:.3f} ms "
+                f"(default {r['t_qouter']:.3f})")
+        common.empty_cache()
 
 
 def add_rows(results, r, n_seq, seq_len):
@@ -360,6 +377,9 @@ def add_rows(results, r, n_seq, seq_len):
                     host_ahead_ms=r["t_qouter_ahead"], host_time_ms=r["host_qouter"], flops=r["qouter_flops"],
                     floor_ms=r["qouter_flops"] / PEAK_FLOPS * 1e3, err=r["qouter_err"],
                     union_blocks_per_tile=r["union"], tile_tokens=r["qouter_tile_tokens"], topk=TOPK)
+        for label, ms in r["qouter_variants"].items():
+            results.add(case, ms, what=f"qouter_attention, block_m:block_n:num_warps:num_stages {label}", sizes=sizes,
+                        baseline="qouter_attention (default launch)", baseline_ms=r["t_qouter"])
     results.add(case, r["t_build"], what="index build (Triton)", sizes=sizes, baseline="index build (torch)",
                 baseline_ms=r["t_build_torch"])
     results.add(case, r["t_sched"], what="schedule (Triton)", sizes=sizes, baseline="schedule (torch)",
@@ -487,6 +507,9 @@ def main():
     ap.add_argument("--no-dense", dest="dense", action="store_false")
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     ap.add_argument("--no-qouter", dest="qouter", action="store_false", help="skip the query-outer tile kernel")
+    ap.add_argument("--qouter-variants", default="",
+                    help="block_m:block_n:num_warps:num_stages,... launch variants of the query-outer kernel timed "
+                         "after its default one (e.g. 128:64:8:2,128:128:8:2,64:64:4:3)")
     ap.add_argument("--flex-configs", default="8K,32K,128K,16x8K", help="configs that run FlexAttention")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--then-run", action="store_true", help="after --tune, run the benchmark with the best variants")
@@ -513,6 +536,7 @@ def main():
     args.attn_variants = attn_variants(args.attn_variants, "--attn-variants")
     args.comb_variants = common.int_tuples(args.comb_variants, 2, "--comb-variants")
     args.tma_programs = common.int_list(args.tma_programs)
+    args.qouter_variants = common.int_tuples(args.qouter_variants, 4, "--qouter-variants")
     base = KVOuterConfig(impl="triton", engine=args.engine or "auto", workspace_bytes=common.UNBOUNDED)
 
     def main_config(tile_rows, warps, stages, pps, nreg) -> KVOuterConfig:

@@ -1,9 +1,11 @@
 """benchmarks/bench_kvouter.py on the CPU, the parts that need no GPU: the union of selected
-blocks per query-outer tile it reports (against a count made token by token), and its table
-with and without the query-outer columns. No timing is asserted."""
+blocks per query-outer tile it reports (against a count made token by token), the query-outer
+rows and launch variants of a config (the op on its torch path, timers that only call), and
+its table with and without the query-outer columns. No timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -33,7 +35,8 @@ def _row(**extra):
     row = dict(
         name="8K", pattern="hot", engine="tma", t_build=0.1, t_sched=0.1, t_build_torch=1.0, t_sched_torch=1.0,
         t_attn=1.0, t_attn_tl=1.2, t_comb=0.3, t_module=1.5, t_module_ahead=1.4, flops=1e12, bytes=1e9, floor=1.0,
-        workspace=1e9, err=1e-3,
+        workspace=1e9, err=1e-3, host_module=0.5, host_module_triton=0.6, eng_diff=0.0, bytes_attn=1e9,
+        bytes_comb=1e8, nsb=64, used=4096, num_tiles=100, t_flex=None, flex_note="skipped",
     )
     row.update(extra)
     return row
@@ -46,3 +49,29 @@ def test_table_gives_the_query_outer_columns_where_measured():
     hot, random = lines[2], lines[3]
     assert hot.rstrip(" |").endswith("- (-) | - | -")
     assert "0.75 (0.70) | 21.2 | 2.0" in random
+
+
+def test_query_outer_row_and_its_variants(monkeypatch, tmp_path):
+    monkeypatch.setenv("BENCH_DEVICE", "cpu")
+    p = bench_kvouter.make_problem("hot", 1, 256)
+    real, configs = bench_kvouter.m3_sparse.qouter_attention, []
+
+    def on_the_cpu(*args, config, **kwargs):
+        configs.append(config)
+        return real(*args, config=dataclasses.replace(config, impl="torch"), **kwargs)
+
+    monkeypatch.setattr(bench_kvouter.m3_sparse, "qouter_attention", on_the_cpu)
+    for timer in ("median_ms", "host_ahead_ms", "host_ms"):
+        monkeypatch.setattr(bench_kvouter.common, timer, lambda fn, **kw: (fn(), 1.0)[1])
+    r = _row(t_module=2.0)
+    bench_kvouter.run_qouter(r, p, 256, [(64, 32, 4, 3)])
+    assert r["t_qouter"] == 1.0 and r["qouter_err"] < 2e-2
+    assert r["qouter_tile_tokens"] == 8  # 128 rows of 16 heads
+    assert r["union"] == bench_kvouter.union_blocks(p["sel"], 256, 8)
+    assert r["qouter_variants"] == {"64:32:4:3": 1.0}
+    assert (configs[-1].block_m, configs[-1].block_n, configs[-1].num_warps, configs[-1].num_stages) == (64, 32, 4, 3)
+    results = bench_kvouter.common.Results("bench_kvouter", tmp_path)
+    bench_kvouter.add_rows(results, dict(r, t_dense=None), 1, 256)
+    whats = [row["what"] for row in results.rows]
+    assert "qouter_attention (query-outer tiles)" in whats
+    assert "qouter_attention, block_m:block_n:num_warps:num_stages 64:32:4:3" in whats
