@@ -193,6 +193,8 @@ def test_the_ops_hand_their_calls_to_compile_ahead(monkeypatch):
         return call(*args, **kwargs)
 
     monkeypatch.setattr(api, "compile_ahead", recording)
+    # Passes on for the plans, which read it once at their first run (these tensors are on the CPU).
+    monkeypatch.setattr(api, "compile_ahead_on", lambda device: True)
     g = gen(3)
     for seqs in ([(300, 40), (90, 23)], [(300, 1), (90, 1)]):
         batch = make_batch(g, seqs, 16)
@@ -213,6 +215,24 @@ def test_the_ops_hand_their_calls_to_compile_ahead(monkeypatch):
     w, cos, sin = randn(g, 16), randn(g, 1, 5, 8), randn(g, 1, 5, 8)
     m3_sparse.index_prep(q, k, w, w, cos, sin, eps=1e-6, impl="triton")
     assert seen[-1][0] == "index_prep"
+
+
+def test_a_plan_reads_whether_passes_are_on_once(monkeypatch):
+    """A plan asks at its first run whether passes are on, and with them off its runs call
+    the kernels directly, without compile_ahead (a decode step runs a plan in every layer)."""
+    asked, seen = [], []
+    monkeypatch.setattr(api, "compile_ahead_on", lambda device: asked.append(device) or False)
+    monkeypatch.setattr(api, "compile_ahead", lambda *a, **kw: seen.append(a))
+    g = gen(4)
+    batch = make_batch(g, [(90, 1), (40, 1)], 16)
+    q = randn(g, batch.num_tokens, 4, 32)
+    k, v = (batch.kv_cache(g, 1, 32) for _ in range(2))
+    sel = random_selection(g, batch, 1, 3, 32)
+    plan = m3_sparse.plan_sparse_attention(q, k, v, sel, batch.block_tables, **batch.kwargs(), block_size=32)
+    first = plan.run(q, k, v, sel)
+    second = plan.run(q, k, v, sel)
+    assert asked == [q.device] and seen == []
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

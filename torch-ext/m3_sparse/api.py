@@ -26,7 +26,7 @@ from . import dispatch
 # Raised where a GPU cannot run a call (its compute capability); re-exported by the package.
 from .dispatch import UnsupportedGPUError  # noqa: F401
 from .core.args import AttnArgs, IndexArgs, tensor_meta
-from .core.launch import compile_ahead, rows_bucket
+from .core.launch import compile_ahead, compile_ahead_on, rows_bucket
 from .core.layout import chunk_varlen, token_positions, token_seq_ids
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
@@ -294,8 +294,16 @@ class _Plan:
     def _ahead_key(self) -> tuple:
         return type(self).__name__, self.args.ahead_key
 
+    # Whether runs go through compile_ahead, read at the plan's first run rather than at every
+    # run: a decode step runs one plan in each of its layers.
+    _passes_on: bool | None = None
+
     def _ahead_call(self, *tensors):
         """``_call`` of a run, its kernels compiled ahead on the plan's first runs (``compile_ahead``)."""
+        if self._passes_on is None:
+            self._passes_on = compile_ahead_on(tensors[0].device)
+        if not self._passes_on:
+            return self._call(*tensors)
         return compile_ahead(self._ahead_key, tensors[0].device, self._call, *tensors)
 
 

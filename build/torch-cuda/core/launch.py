@@ -377,7 +377,7 @@ def compile_ahead(key, device: torch.device, call, *args, **kwargs):
     ``key`` on a CUDA device, after a compile-ahead pass of the same call (see above). Never
     while a CUDA graph is captured or under the interpreter. ``key``: the call key, or a
     function making it, called only while passes are on (every op call comes through here)."""
-    if device.type != "cuda" or _ahead.get() is not None or not _ahead_wanted():
+    if _ahead.get() is not None or not compile_ahead_on(device):
         return call(*args, **kwargs)
     key = key() if callable(key) else key
     done = _passes.get(key, 0)
@@ -405,6 +405,12 @@ def compile_ahead(key, device: torch.device, call, *args, **kwargs):
         _log.debug("compile-ahead pass of %s stopped (%s: %s); its kernels compile at their launches",
                    key[0], type(exc).__name__, exc)
     return call(*args, **kwargs)
+
+
+def compile_ahead_on(device: torch.device) -> bool:
+    """Whether calls on ``device`` get compile-ahead passes (a CUDA device, the variable set,
+    no interpreter)."""
+    return device.type == "cuda" and _ahead_wanted()
 
 
 def compiling_ahead() -> bool:
