@@ -266,6 +266,20 @@ MUTATIONS = (
              "index (transformers 5.18 and later)",
     ),  # fmt: skip
     Mutation(
+        name="cancelled_request_hashed", path="hf/serving_allocator.py",
+        old="        if request_id not in self.block_table:\n            return\n", new="",
+        tests=("tests/test_continuous_batching.py::test_a_request_cancelled_in_flight_keeps_the_manager_alive",),
+        what="a request cancelled while its step was in flight has its blocks hashed after its table is gone: "
+             "KeyError stops the manager (transformers 5.18 and later)",
+    ),  # fmt: skip
+    Mutation(
+        name="cancelled_request_marked", path="hf/serving_groups.py",
+        old="    if runs_m3_sparse(self.config) and any(", new="    if False and any(",
+        tests=("tests/test_continuous_batching.py::test_a_request_cancelled_in_flight_keeps_the_manager_alive",),
+        what="a request cancelled while its step was in flight has its blocks marked after its table is gone: "
+             "KeyError stops the manager (transformers 5.17)",
+    ),  # fmt: skip
+    Mutation(
         name="compile_ahead_pass_launches", path="core/launch.py",
         old="        fn.run(*args, grid=grid, warmup=True, **kwargs)", new="        fn[grid](*args, **kwargs)",
         tests=(K + "test_compile_ahead.py::test_a_pass_compiles_each_launch_and_launches_nothing",),

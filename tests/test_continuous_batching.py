@@ -519,6 +519,56 @@ def test_read_index_holds_one_slot_per_page():
     assert type(other) is design.FullAttentionCacheAllocator
 
 
+def test_a_request_cancelled_in_flight_keeps_the_manager_alive():
+    """Under async batching (the default with CUDA graphs) the manager prepares step N + 1, which
+    frees the tables of requests cancelled by their clients, while step N runs; step N's update
+    then marks the blocks its requests completed, a cancelled one's too (its status is still
+    decoding). transformers' own code raises KeyError there, which stops the server; under
+    m3_sparse the cancelled request is skipped, and the others' blocks are marked as before
+    (5.17: the cache's ``mark_shareable_blocks_as_complete``; 5.18: each allocator's
+    ``mark_complete_blocks``, which hashes them)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    cache = manager_cache(32)
+    tokens = [int(t) for t in torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(3))]
+    states = {}
+    for rid in ("cancelled", "kept"):
+        give_room(cache, rid, 0, 64)
+        states[rid] = RequestState(request_id=rid, initial_tokens=tokens)
+        states[rid].status = RequestStatus.DECODING
+    design = serving.cache_design
+    if compat.CB_ALLOCATORS:
+        completed = {name: 2 for name in cache.cache_allocators}
+
+        def mark(state):
+            cache.mark_complete_blocks(state, completed)
+
+        def own_mark(state):  # transformers' allocator in the place of m3_sparse's
+            for allocator in cache.cache_allocators.values():
+                design.FullAttentionCacheAllocator.mark_complete_blocks(allocator, state.request_id, tokens, 2)
+
+        def marked():
+            return [dict(a.ledger.block_to_hash) for a in cache.cache_allocators.values()]
+    else:
+        def mark(state):
+            cache.mark_shareable_blocks_as_complete(state, 2)
+
+        def own_mark(state):
+            design._mark_complete.m3_sparse_original(cache, state, 2)
+
+        def marked():
+            return [sorted(b.id for b in cache._block_manager._id_to_block.values() if b.is_complete)]
+
+    cache.free_blocks("cancelled")  # what clearing the cancelled requests does, before step N's update
+    before = marked()
+    mark(states["cancelled"])
+    assert marked() == before
+    with pytest.raises(KeyError):
+        own_mark(states["cancelled"])
+    mark(states["kept"])
+    assert marked() != before  # the kept request's two complete blocks
+
+
 @pytest.mark.parametrize("tokens_per_page", [32, 48], ids=["pages32", "pages48"])
 @pytest.mark.parametrize("path", ["varlen", "decode", "decode-padded"])
 def test_kernel_view_matches_cache_reads(tokens_per_page, path):

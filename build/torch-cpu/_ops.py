@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_51ff78c818"
+NAMESPACE = "_m3_sparse_cpu_fcc182d865"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -22,7 +22,8 @@ reserves what m3_sparse allocates instead. On 5.18, ``group_layers_by_attn_type`
 registry's types too (:func:`_group_layers`). Both allocators of an m3_sparse model give the
 manager read indices of one slot per page instead of one per token (:class:`_PageReads`): the
 full-attention type is registered as :class:`M3FullCacheAllocator`, which is transformers'
-own class for every other model.
+own class for every other model. A request cancelled while a step that holds it is in flight
+(async batching) keeps the manager alive (:class:`_CancelledInFlight`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,23 @@ class _PageReads:
         return [entry * stride for entry in table[:pages]]
 
 
-class M3FullCacheAllocator(_PageReads, FullAttentionCacheAllocator):
+class _CancelledInFlight:
+    """Blocks of a request cancelled while a step that holds it was in flight are not hashed.
+
+    Under async batching (transformers' default with CUDA graphs) the manager prepares step
+    N + 1 while step N runs: preparing it drops the requests a client cancelled and frees their
+    block tables, then step N's update registers the hashes of the blocks each of its requests
+    completed, cancelled ones included (their status is still decoding or prefilling). The base
+    allocator then looks up a table that is gone, and the KeyError kills the manager's loop,
+    which stops the server. A request whose table is gone has nothing left to hash."""
+
+    def mark_complete_blocks(self, request_id: str, *args, **kwargs) -> None:
+        if request_id not in self.block_table:
+            return
+        super().mark_complete_blocks(request_id, *args, **kwargs)
+
+
+class M3FullCacheAllocator(_PageReads, _CancelledInFlight, FullAttentionCacheAllocator):
     """transformers' ``FullAttentionCacheAllocator`` with :class:`_PageReads`, for the
     full-attention layers of a model that runs m3_sparse. Registered for the full-attention
     type, it makes transformers' own class for every other model (the instance is exactly
@@ -74,7 +91,7 @@ class M3FullCacheAllocator(_PageReads, FullAttentionCacheAllocator):
         return super().__new__(cls)
 
 
-class M3SparseCacheAllocator(_PageReads, FullAttentionCacheAllocator):
+class M3SparseCacheAllocator(_PageReads, _CancelledInFlight, FullAttentionCacheAllocator):
     """Cache allocator of M3's sparse-attention layers: a page holds one layer's keys, values and
     index keys of ``P`` tokens, ``[K: P x Hkv x D | V: P x Hkv x D | index keys: P x Di]``, and a
     block holds one page per sparse layer, in ``layer_indices`` order.

@@ -15,7 +15,8 @@ by prefix caching (an index key, like K/V, depends only on the tokens up to it).
 ``PagedAttentionMemoryHandler`` sizes the cache from the per-token K/V bytes of all layers and
 what an eager or sdpa step allocates; :class:`_MemoryHandler` counts the index keys too and
 reserves what m3_sparse allocates instead. ``PagedAttentionCache.copy_cache`` copies a forked
-request's blocks in K/V; :func:`_copy_cache` copies their index keys too.
+request's blocks in K/V; :func:`_copy_cache` copies their index keys too. :func:`_mark_complete`
+keeps the manager alive when a request is cancelled while a step holds it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ _ORIGINAL_MEMORY_HANDLER = getattr(
 )
 _ORIGINAL_COPY_CACHE = getattr(
     cb_cache.PagedAttentionCache.copy_cache, "m3_sparse_original", cb_cache.PagedAttentionCache.copy_cache
+)
+_ORIGINAL_MARK_COMPLETE = getattr(
+    cb_cache.PagedAttentionCache.mark_shareable_blocks_as_complete, "m3_sparse_original",
+    cb_cache.PagedAttentionCache.mark_shareable_blocks_as_complete,
 )
 
 
@@ -181,9 +186,25 @@ def _copy_cache(self, list_source_blocks, list_forked_blocks):
 _copy_cache.m3_sparse_original = _ORIGINAL_COPY_CACHE
 
 
+def _mark_complete(self, state, num_complete_blocks: int) -> None:
+    """``PagedAttentionCache.mark_shareable_blocks_as_complete``, which for a model running
+    m3_sparse skips a request cancelled while a step that holds it was in flight: under async
+    batching, preparing the next step frees its block table before this step's update marks its
+    blocks, and the lookup's KeyError would stop the manager (5.18's allocators:
+    ``serving_allocator._CancelledInFlight``)."""
+    if runs_m3_sparse(self.config) and any(state.request_id not in cm.block_table for cm in self.group_cache_managers):
+        return None
+    return _ORIGINAL_MARK_COMPLETE(self, state, num_complete_blocks)
+
+
+_mark_complete.m3_sparse_original = _ORIGINAL_MARK_COMPLETE
+
+
 def install() -> None:
     """Group M3's sparse layers as full attention in the manager's cache, count their index keys
-    in its sizing and copy them with K/V when a request forks."""
+    in its sizing, copy them with K/V when a request forks, and keep the manager alive when a
+    request is cancelled in flight."""
     cb_cache.group_layers_by_attn_type = _group_layers
     cb_cache.PagedAttentionMemoryHandler = _MemoryHandler
     cb_cache.PagedAttentionCache.copy_cache = _copy_cache
+    cb_cache.PagedAttentionCache.mark_shareable_blocks_as_complete = _mark_complete
