@@ -127,14 +127,20 @@ def traffic(index, n_tokens: int) -> dict:
     )
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor, used: int, rows: int = 1 << 18) -> float:
-    """Relative L2 difference of two partial buffers over their first and last ``rows`` used
-    entries (the whole buffers at 128K would need another 68 GB as fp32); -inf (a row that saw
-    no key) counts as 0 on both sides, so two equal buffers give 0."""
-    if used == 0:
+def sampled_rows(parts, used: int, rows: int = 1 << 17) -> list[torch.Tensor]:
+    """The first and last ``rows`` used entries of each partial buffer, copied: what
+    ``rel_diff`` compares, kept while the buffers themselves are freed (two sets of partials
+    at 128K are 70 GB)."""
+    idx = torch.cat([torch.arange(min(rows, used)), torch.arange(max(0, used - rows), used)]).to(parts[0].device)
+    return [t[idx] for t in parts]
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 difference of two sampled partial buffers (``sampled_rows``); -inf (a row
+    that saw no key) counts as 0 on both sides, so two equal buffers give 0."""
+    if a.numel() == 0:
         return 0.0
-    idx = torch.cat([torch.arange(min(rows, used)), torch.arange(max(0, used - rows), used)]).to(a.device)
-    x, y = (t[idx].float().nan_to_num(posinf=0.0, neginf=0.0) for t in (a, b))
+    x, y = (t.float().nan_to_num(posinf=0.0, neginf=0.0) for t in (a, b))
     return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
@@ -235,14 +241,18 @@ def run_config(name, pattern, n_seq, seq_len, args):
     check_builders(name, pattern, index, sched, p, tile_q, nprog)
     attn = partials_call(p, index, sched, cfg)
     attn_tl = partials_call(p, index, sched, dataclasses.replace(cfg, engine="triton"))
+    # o, m and l of the configured engine against the tl kernel on the same schedule, one set
+    # of partials alive at a time.
+    used = int(index.seg_offsets[-1])
+    ref = sampled_rows(attn_tl(), used)
     parts = attn()
-    parts_tl = attn_tl()
-    # o, m and l of the configured engine against the tl kernel on the same schedule.
-    eng_diff = max(rel_diff(x, y, int(index.seg_offsets[-1])) for x, y in zip(parts, parts_tl))
-    del parts_tl
+    eng_diff = max(rel_diff(x, y) for x, y in zip(sampled_rows(parts, used), ref))
+    del ref
     comb = lambda: combine_triton(  # noqa: E731
         *parts, index.slot_of, out_dtype=q.dtype, return_lse=False, rows=comb_rows, num_warps=comb_warps
     )
+    t_comb = common.median_ms(comb)
+    del parts, comb
     module = lambda: m3_sparse.kvouter_attention(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, config=cfg)  # noqa: E731
     out, lse = m3_sparse.kvouter_attention(q, k, v, sel, bt, cu_seqlens_q=cu, used_kv_lens=kv, return_lse=True,
                                            config=cfg)
@@ -258,8 +268,7 @@ def run_config(name, pattern, n_seq, seq_len, args):
     r["t_sched_torch"] = common.median_ms(lambda: m3_sparse.schedule(index, tile_q=tile_q, num_programs=nprog))
     r["t_attn"] = common.median_ms(attn)
     r["t_attn_tl"] = common.median_ms(attn_tl)
-    r["t_comb"] = common.median_ms(comb)
-    del parts
+    r["t_comb"] = t_comb
     r["t_module"] = common.median_ms(module)
     r["t_module_ahead"] = common.host_ahead_ms(module)
     # Host time of one call (an eager forward's share), with the tl kernels launched directly
@@ -426,7 +435,7 @@ def tune(args, results):
                     if ref is None:
                         ref, err = parts, 0.0
                     else:
-                        err = rel_diff(parts[0], ref[0], used)
+                        err = rel_diff(*(sampled_rows(x[:1], used)[0] for x in (parts, ref)))
                         del parts
                     t = common.median_ms(fn)
                     totals[("a", var)] = totals.get(("a", var), 0.0) + t
@@ -440,7 +449,7 @@ def tune(args, results):
                 fn = partials_call(p, index, sched, KVOuterConfig(impl="triton", engine="tma"))
                 try:
                     parts = fn()
-                    err = rel_diff(parts[0], ref[0], used)
+                    err = rel_diff(*(sampled_rows(x[:1], used)[0] for x in (parts, ref)))
                     del parts
                     t = common.median_ms(fn)
                     totals[("t", ("tma", pps))] = totals.get(("t", ("tma", pps)), 0.0) + t

@@ -75,3 +75,25 @@ def test_query_outer_row_and_its_variants(monkeypatch, tmp_path):
     whats = [row["what"] for row in results.rows]
     assert "qouter_attention (query-outer tiles)" in whats
     assert "qouter_attention, block_m:block_n:num_warps:num_stages 64:32:4:3" in whats
+
+
+def test_engine_difference_compares_sampled_rows_of_the_partials():
+    """The engines' partials are compared over the first and last used rows, copied out so
+    one set of partials is alive at a time: equal buffers give 0 (rows that saw no key, -inf,
+    count as 0), a changed sampled row shows, rows past ``used`` and between the two ends are
+    not read."""
+    g = torch.Generator().manual_seed(5)
+    o = torch.randn(40, 2, 4, generator=g)
+    m = torch.randn(40, 2, generator=g)
+    m[3] = float("-inf")
+    parts = (o, m)
+    same = bench_kvouter.sampled_rows([t.clone() for t in parts], 30, rows=8)
+    ref = bench_kvouter.sampled_rows(parts, 30, rows=8)
+    assert [t.shape[0] for t in ref] == [16, 16]
+    assert max(bench_kvouter.rel_diff(x, y) for x, y in zip(same, ref)) == 0.0
+    changed = [t.clone() for t in parts]
+    changed[0][10:20] += 1.0  # between the sampled ends
+    changed[0][31:] += 1.0  # past the used rows
+    assert bench_kvouter.rel_diff(bench_kvouter.sampled_rows(changed, 30, rows=8)[0], ref[0]) == 0.0
+    changed[0][25] += 1.0  # among the last sampled rows
+    assert bench_kvouter.rel_diff(bench_kvouter.sampled_rows(changed, 30, rows=8)[0], ref[0]) > 1e-3
