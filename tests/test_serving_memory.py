@@ -189,19 +189,28 @@ GPU_BATCH_TOKENS = 2048
 SLACK = 64 << 20
 
 
-@pytest.mark.gpu
-def test_prefill_step_stays_within_the_reservation(tmp_path, monkeypatch):
-    save_tiny_text_model(tmp_path, seed=4, **GPU_SHAPES)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="m3_sparse", dtype=torch.bfloat16)
-    model = model.cuda().eval()
+def gpu_model_and_handlers(path, monkeypatch):
+    """The tiny model at ``GPU_SHAPES`` on the GPU (bf16), and the list the manager's memory
+    handlers go to as they are made, each with the memory allocated once it has sized the pool
+    (``allocated_before_cache``: the cache tensor is allocated after)."""
+    save_tiny_text_model(path, seed=4, **GPU_SHAPES)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="m3_sparse", dtype=torch.bfloat16)
     handlers = []
 
     class Recorded(cb_cache.PagedAttentionMemoryHandler):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.allocated_before_cache = torch.cuda.memory_allocated()
             handlers.append(self)
 
     monkeypatch.setattr(cb_cache, "PagedAttentionMemoryHandler", Recorded)
+    return model.cuda().eval(), handlers
+
+
+@pytest.mark.gpu
+def test_prefill_step_stays_within_the_reservation(tmp_path, monkeypatch):
+    model, handlers = gpu_model_and_handlers(tmp_path, monkeypatch)
     cfg = page_config(16, num_blocks=512, max_batch_tokens=GPU_BATCH_TOKENS, use_cuda_graph=False)
     manager = model.init_continuous_batching(generation_config=gen_config(1), continuous_batching_config=cfg)
     manager.start()
@@ -238,3 +247,38 @@ def test_prefill_step_stays_within_the_reservation(tmp_path, monkeypatch):
     group = s["num_attention_heads"] // s["num_key_value_heads"]
     partials = s["num_key_value_heads"] * s["index_topk_blocks"] * group * (s["head_dim"] * 2 + 8)
     assert added >= GPU_BATCH_TOKENS * partials
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the cache tensor of transformers 5.18 and later")
+def test_graphed_steps_stay_within_the_reservation(tmp_path, monkeypatch):
+    """With CUDA graphs (the manager's default on CUDA, and the server's) the manager warms up
+    and captures its steps at the largest sizes into one private pool. Everything the process
+    allocates beyond the cache tensor, from the handler's sizing to the end of a full prefill
+    step, stays within what the handler reserved for a step. A pool sized from the free memory
+    leaves only ``1 - max_memory_percent`` of it besides: a step that outgrows the reservation
+    by more fails its warm-up and then a request."""
+    model, handlers = gpu_model_and_handlers(tmp_path, monkeypatch)
+    cfg = page_config(16, num_blocks=512, max_batch_tokens=GPU_BATCH_TOKENS, use_cuda_graph=True)
+    torch.cuda.reset_peak_memory_stats()
+    manager = model.init_continuous_batching(generation_config=gen_config(2), continuous_batching_config=cfg)
+    manager.start()
+    g = torch.Generator().manual_seed(1)
+    try:
+        ids = {f"r{n}": n for n in (GPU_BATCH_TOKENS, 700, 64)}
+        for rid, n in ids.items():
+            manager.add_request(random_prompt(n, g).tolist(), request_id=rid, max_new_tokens=2)
+        outs = [manager.get_result(request_id=rid, timeout=300) for rid in ids]
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        cache_bytes = manager.batch_processor.cache.cache_tensor.nbytes
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert all(out is not None and out.error is None for out in outs), [getattr(o, "error", None) for o in outs]
+    (h,) = handlers
+    added = peak - h.allocated_before_cache - cache_bytes
+    reserved = batch_token_bytes(h) * GPU_BATCH_TOKENS
+    assert added <= reserved + SLACK, (
+        f"with CUDA graphs, steps of up to {GPU_BATCH_TOKENS} tokens added {added / 2**20:.1f} MiB beside the "
+        f"cache, the handler reserved {reserved / 2**20:.1f} MiB (+ {SLACK >> 20} MiB slack)"
+    )
