@@ -326,7 +326,8 @@ def runs_decode(args: AttnArgs) -> bool:
 # (``api.qouter_attention``). The tile kernel moves no partials through memory but does the
 # work of its tile's union of blocks, which depends on how alike neighbouring tokens choose:
 # data the host never reads. ``M3_SPARSE_PREFILL`` picks one; "auto" keeps KV-outer for every
-# call until the crossover is measured on the GPU (benchmarks/bench_kvouter.py times both).
+# call: measured against it (benchmarks/bench_kvouter.py times both; docs/PERF.md), the tile
+# kernel was faster at no size or selection pattern, since every row computes its tile's union.
 PREFILL_KERNELS = ("auto", "kvouter", "qouter")
 
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_fcc182d865"
+NAMESPACE = "_m3_sparse_cuda_a5d5f062bf"
 
 ops = getattr(torch.ops, NAMESPACE)
 
