@@ -22,7 +22,9 @@ Per run: output tok/s, requests/s, TTFT and ITL p50 / p99 (guidellm's, ITL poole
 gap of every request), and goodput: requests/s of those with TTFT <= ``--ttft-slo`` ms and a mean
 ITL <= ``--itl-slo`` ms (from guidellm's per-request figures). Written to OUT: bench_server.json
 (every row, with guidellm's own JSON of each server beside it), bench_server.md and
-bench_server.png (p50 / p99 latency against output tok/s).
+bench_server.png (p50 / p99 latency against output tok/s). A configuration whose server stops
+(or whose guidellm fails) is listed with the reason, from the server's log, under "Failed"; the
+other configurations still run, and the exit status is 1.
 
 guidellm's OpenAI backend sends vLLM's ``ignore_eos`` when the data fixes output lengths, and
 transformers' server refuses unknown fields (422); the new tokens go as the backend's
@@ -192,6 +194,27 @@ def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log:
     raise RuntimeError(f"guidellm ({profile}) made no result in two tries of {limit:g} s: see {log}")
 
 
+def stop_reason(log: Path) -> str:
+    """Why a server stopped, from its log: transformers' first "... died: ..." line (the
+    manager's worker and the error that ended it), else the last line naming an error."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    died = [line for line in lines if " died: " in line]
+    errors = [line for line in lines if "Error" in line]
+    return (died[:1] or errors[-1:] or ["no error in its log"])[0].strip()[:300]
+
+
+def failure(exc: Exception, server: "ServerProcess | None", server_log: Path, run_log: Path) -> str:
+    """What stopped a configuration's runs: the server, when it is no longer running (guidellm
+    then fails for want of it), else guidellm or the server's start."""
+    if server is not None and server.proc.poll() is not None:
+        return f"the server stopped (exit {server.proc.returncode}): {stop_reason(server_log)}"
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"guidellm exited with {exc.returncode}: see {run_log}"
+    if server is None:  # it never answered
+        return f"{exc} ({stop_reason(server_log)})"
+    return str(exc)
+
+
 def pct(metric: dict, name: str) -> float | None:
     ok = (metric or {}).get("successful") or {}
     return (ok.get("percentiles") or {}).get(name) if ok.get("count") else None
@@ -255,7 +278,7 @@ def targets(rows: list[dict], layers: str) -> dict | None:
     }  # fmt: skip
 
 
-def write_outputs(args, rows: list[dict], log: common.Log) -> None:
+def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] = ()) -> None:
     out = Path(args.out)
     header = ["layers", "config", "strategy", "rate", "requests", "errored", "output tok/s", "req/s",
               "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput share"]
@@ -274,8 +297,12 @@ def write_outputs(args, rows: list[dict], log: common.Log) -> None:
               common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1), common.fmt(t["m3_saturation_tok_s"], 1),
               common.fmt(t["dense_saturation_tok_s"], 1), common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]),
               common.fmt(t["m3_itl_p99_over_p50"], 1)] for t in found]))  # fmt: skip
+    if failures:
+        log("Failed (each configuration's runs stop at its first failure):")
+        log(common.md_table(["layers", "config", "run", "why"],
+                            [[f["layers"], f["config"], f["run"], f["why"]] for f in failures]))
     common.write_json(out / "bench_server.json", {"environment": common.environment(), "args": vars(args),
-                                                  "rows": rows, "targets": found})
+                                                  "rows": rows, "targets": found, "failures": list(failures)})
     log.write(out / "bench_server.md")
     plt, why = common.pyplot()
     if plt is None:
@@ -305,18 +332,19 @@ def main(argv=None) -> int:
     log(f"- prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new tokens; sweep of {args.sweep_size} "
         f"runs and {args.concurrency} closed-loop users, {args.seconds:g} s each; goodput: TTFT <= {args.ttft_slo:g} ms "
         f"and mean ITL <= {args.itl_slo:g} ms")
-    rows = []
+    rows, failures = [], []
     for layers in args.layers:
         models = save_models(args, layers, out / "models")
         for config in args.configs:
             name, extra = CONFIGS[config]
             checkpoint = models / f"{name}-{layers}"
-            server = ServerProcess(checkpoint, extra, args, out / f"server-{config}-{layers}.log")
             closed = f"kind=concurrent,streams={args.concurrency}"
             runs = [(closed, "warmup", args.warmup_seconds)] if args.warmup_seconds > 0 else []
             runs += [(f"kind=sweep,sweep_size={args.sweep_size}", "sweep", args.seconds),
                      (closed, "concurrent", args.seconds)]
+            server, server_log, tag, stem = None, out / f"server-{config}-{layers}.log", "start", ""
             try:
+                server = ServerProcess(checkpoint, extra, args, server_log)
                 for profile, tag, seconds in runs:
                     stem = f"guidellm-{config}-{layers}-{tag}"
                     report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
@@ -326,10 +354,17 @@ def main(argv=None) -> int:
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),
                                                                       "args": vars(args), "rows": rows})
+            except (subprocess.CalledProcessError, RuntimeError) as e:
+                # The other configurations still run: a server that dies under load is a finding
+                # of the benchmark, and its twin's figures stay worth having.
+                why = failure(e, server, server_log, out / f"{stem}.log")
+                failures.append({"layers": layers, "config": config, "run": tag, "why": why})
+                log(f"- {config} {layers}: the {tag} run failed: {why}")
             finally:
-                server.stop()
-    write_outputs(args, rows, log)
-    return 0
+                if server is not None:
+                    server.stop()
+    write_outputs(args, rows, log, failures)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

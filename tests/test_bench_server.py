@@ -3,6 +3,7 @@ its dense twin; each run's figures come back from guidellm's own report."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -69,8 +70,6 @@ def test_a_guidellm_run_that_never_ends_is_made_again(tmp_path, monkeypatch):
     """guidellm sometimes never finishes a run: past its length and a grace period it is killed
     (with its worker processes) and run once more; a second hang is an error."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import argparse
-
     import bench_server
 
     fake = tmp_path / "guidellm"
@@ -94,3 +93,54 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
     with pytest.raises(RuntimeError, match="no result in two tries"):
         bench_server.run_guidellm(args, 1, "m", "kind=concurrent,streams=2", tmp_path / "s.json",
                                   tmp_path / "s.log", 0.5)
+
+
+def test_a_server_that_dies_is_reported_and_the_other_configuration_still_runs(tmp_path, monkeypatch):
+    """A server that stops under load fails its configuration with the reason from its log
+    (transformers' "... died: ..." line); the next configuration still runs, the failure is in
+    the JSON and the report, and the exit status is 1."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    fake = tmp_path / "guidellm"
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+if "model=dies" in " ".join(sys.argv):
+    sys.exit(1)
+out = next(a.split("path=")[1] for a in sys.argv if a.startswith("kind=json,path="))
+pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
+""")
+    fake.chmod(0o755)
+    started = []
+
+    class Server:  # m3_sparse's dies at its first run; the dense twin's serves
+        def __init__(self, checkpoint, extra, args, log):
+            started.append(checkpoint.name)
+            self.port, self.dies = 1, checkpoint.name.startswith("m3")
+            log.write_text("INFO: started\nERROR - Error in generation loop: CUDA out of memory.\n"
+                           "[transformers] The engine of m died: The continuous batching worker died: CUDA out of "
+                           "memory.\nRuntimeError: An engine died (see the error above): stopping the server\n"
+                           if self.dies else "INFO: started\n")
+            self.proc = argparse.Namespace(poll=lambda: 1 if self.dies else None, returncode=1)
+
+        def stop(self):
+            pass
+
+    def models(args, pattern, where):
+        for name in ("m3", "dense"):
+            (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
+        return where
+
+    monkeypatch.setattr(bench_server, "ServerProcess", Server)
+    monkeypatch.setattr(bench_server, "save_models", models)
+    real_run = bench_server.run_guidellm
+    monkeypatch.setattr(bench_server, "run_guidellm", lambda args, port, model, *rest: real_run(
+        args, port, "dies" if "m3-" in model else model, *rest))
+    code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "1",
+                              "--warmup-seconds", "0"])
+    assert code == 1 and started == ["m3-sf", "dense-sf"]
+    result = json.loads((tmp_path / "bench_server.json").read_text())
+    (failed,) = result["failures"]
+    assert failed["config"] == "m3_sparse" and failed["run"] == "sweep"
+    assert failed["why"].startswith("the server stopped (exit 1): [transformers] The engine of m died: ")
+    assert "| sf | m3_sparse | sweep | the server stopped" in (tmp_path / "bench_server.md").read_text()
