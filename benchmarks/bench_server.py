@@ -203,9 +203,19 @@ def stop_reason(log: Path) -> str:
     return (died[:1] or errors[-1:] or ["no error in its log"])[0].strip()[:300]
 
 
+# A server whose manager died takes a few seconds to shut down after guidellm has failed
+# against it: how long to wait before taking guidellm's failure as its own.
+SERVER_EXIT_WAIT_S = 15.0
+
+
 def failure(exc: Exception, server: "ServerProcess | None", server_log: Path, run_log: Path) -> str:
     """What stopped a configuration's runs: the server, when it is no longer running (guidellm
     then fails for want of it), else guidellm or the server's start."""
+    if server is not None:
+        try:
+            server.proc.wait(SERVER_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
     if server is not None and server.proc.poll() is not None:
         return f"the server stopped (exit {server.proc.returncode}): {stop_reason(server_log)}"
     if isinstance(exc, subprocess.CalledProcessError):

@@ -121,7 +121,7 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
                            "[transformers] The engine of m died: The continuous batching worker died: CUDA out of "
                            "memory.\nRuntimeError: An engine died (see the error above): stopping the server\n"
                            if self.dies else "INFO: started\n")
-            self.proc = argparse.Namespace(poll=lambda: 1 if self.dies else None, returncode=1)
+            self.proc = argparse.Namespace(poll=lambda: 1 if self.dies else None, returncode=1, wait=lambda s: None)
 
         def stop(self):
             pass
