@@ -8,8 +8,9 @@
 #   bash scripts/gpu_check.sh kvouter dense:"--prefill '' --splits 1,2,4,8,16" long:"--fp8 --sizes 131072"
 #
 # Steps after the tests: NAME or NAME:"extra args", NAME one of kvouter, index, decode, dense,
-# long, generate, host, serve, tp, memory, sanitize, long_run, sdpa_agreement (benchmarks/bench_NAME.py; long =
-# bench_long_prefill.py; sanitize, long_run and sdpa_agreement = benchmarks/reliability/NAME.py). Each step
+# long, generate, host, serve, server, first_call, tp, memory, sanitize, long_run, sdpa_agreement
+# (benchmarks/bench_NAME.py; long = bench_long_prefill.py; sanitize, long_run and sdpa_agreement =
+# benchmarks/reliability/NAME.py). Each step
 # gets --out $OUT/NAME. Wheels in ./.whl (an offline machine's copy of kernels and
 # hypothesis) are installed first when present. Environment: TEST_ARGS (pytest's selection,
 # default "-m gpu tests"; "tests" runs every test on the GPU, longer than the default limit),
@@ -104,7 +105,8 @@ for spec in "$@"; do
     case "$name" in
         long) script=benchmarks/bench_long_prefill.py ;;
         sanitize | long_run | sdpa_agreement) script=benchmarks/reliability/$name.py ;;
-        kvouter | index | decode | dense | generate | host | serve | tp | memory) script=benchmarks/bench_$name.py ;;
+        kvouter | index | decode | dense | generate | host | serve | server | first_call | tp | memory)
+            script=benchmarks/bench_$name.py ;;
         *) summary+=("| $name | unknown step | - | - |"); status=1; continue ;;
     esac
     eval "args=($extra)"
