@@ -144,6 +144,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
+def o_diff(parts, ref, used: int) -> float:
+    """``rel_diff`` of the partial outputs (o, the first buffer) of two engines' runs."""
+    return rel_diff(sampled_rows(parts[:1], used)[0], sampled_rows(ref[:1], used)[0])
+
+
 def partials_call(p, index, sched, cfg: KVOuterConfig):
     """The partials stage alone over a given index and schedule, its kernel chosen by ``cfg``."""
     return lambda: api.kvouter_partials_gpu(  # noqa: E731
@@ -435,7 +440,7 @@ def tune(args, results):
                     if ref is None:
                         ref, err = parts, 0.0
                     else:
-                        err = rel_diff(*(sampled_rows(x[:1], used)[0] for x in (parts, ref)))
+                        err = o_diff(parts, ref, used)
                         del parts
                     t = common.median_ms(fn)
                     totals[("a", var)] = totals.get(("a", var), 0.0) + t
@@ -449,7 +454,7 @@ def tune(args, results):
                 fn = partials_call(p, index, sched, KVOuterConfig(impl="triton", engine="tma"))
                 try:
                     parts = fn()
-                    err = rel_diff(*(sampled_rows(x[:1], used)[0] for x in (parts, ref)))
+                    err = o_diff(parts, ref, used)
                     del parts
                     t = common.median_ms(fn)
                     totals[("t", ("tma", pps))] = totals.get(("t", ("tma", pps)), 0.0) + t

@@ -97,3 +97,14 @@ def test_engine_difference_compares_sampled_rows_of_the_partials():
     assert bench_kvouter.rel_diff(bench_kvouter.sampled_rows(changed, 30, rows=8)[0], ref[0]) == 0.0
     changed[0][25] += 1.0  # among the last sampled rows
     assert bench_kvouter.rel_diff(bench_kvouter.sampled_rows(changed, 30, rows=8)[0], ref[0]) > 1e-3
+
+
+def test_tuning_compares_the_partial_outputs_alone():
+    """``--tune`` compares each variant's partial outputs (o) with the first variant's: a
+    difference in o shows, one in the row stats (m) does not."""
+    g = torch.Generator().manual_seed(6)
+    ref = (torch.randn(20, 2, 4, generator=g), torch.randn(20, 2, generator=g))
+    other_m = (ref[0].clone(), ref[1] + 1.0)
+    assert bench_kvouter.o_diff(other_m, ref, 20) == 0.0
+    other_o = (ref[0] + 0.5, ref[1].clone())
+    assert bench_kvouter.o_diff(other_o, ref, 20) > 1e-2
