@@ -608,6 +608,37 @@ def test_kernel_view_matches_cache_reads(tokens_per_page, path):
                 assert got is None or torch.equal(got, want)
 
 
+@pytest.mark.parametrize("path", ["varlen", "decode-padded"])
+def test_page_tables_built_in_slices(path, monkeypatch):
+    """A step's page tables are built a slice of rows at a time (``TABLE_BUILD_ENTRIES``), so
+    that a step as wide as the pool (the manager's warm-up) keeps its temporaries bounded: one
+    row per slice gives exactly the tables of one slice for all, the trailing row zeros, and a
+    group whose index keys sit beside K/V (5.17) one table for both."""
+    size = 32
+    cache = manager_cache(size)
+    for rid, held, blocks in (("a", 0, 2), ("b", 0, 1), ("a", 2, 1), ("c", 0, 2)):
+        give_room(cache, rid, held * size, blocks * size)
+    if path == "varlen":
+        requests, padding = [("a", 2 * size + 6, 9), ("b", 0, 20), ("c", size + 8, 1)], {}
+    else:
+        requests, padding = [("a", 2 * size + 14, 1), ("b", 5, 1), ("c", size + 8, 1)], dict(pad_to=8, fake=2)
+    kwargs, _, _ = step_keywords(cache, requests, decode=path != "varlen", **padding)
+    tokens = max(sum(n for *_, n in requests), padding.get("pad_to", 0))
+    whole = serving.build_step(cache, kwargs, tokens)
+    layout = sys.modules[serving.__name__.rpartition(".")[0] + ".serving_layout"]
+    monkeypatch.setattr(layout, "TABLE_BUILD_ENTRIES", 1)
+    sliced = serving.build_step(cache, kwargs, tokens)
+    for g, step in whole.groups.items():
+        for name in ("kv_tables", "index_tables"):
+            want, got = getattr(step, name), getattr(sliced.groups[g], name)
+            assert (want is None) == (got is None)
+            if want is not None:
+                assert want.dtype == torch.int32 and want.shape[0] == len(requests) + padding.get("fake", 0) + 1
+                assert torch.equal(got, want) and not want[-1].any()
+        if not compat.CB_ALLOCATORS:
+            assert sliced.groups[g].index_tables is sliced.groups[g].kv_tables
+
+
 def test_padding_tokens_leave_real_rows_alone():
     """A padded varlen step (CUDA graphs): the padding tokens belong to the trailing
     sequence with no key, and the real rows' selection and attention do not change."""

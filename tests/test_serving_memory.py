@@ -9,6 +9,7 @@ handler reserved for it."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -49,13 +50,16 @@ def geometry() -> dict:
     )
 
 
-def handler(impl: str, geometry: dict, dtype=torch.float32, cls=None):
+def handler(impl: str, geometry: dict, dtype=torch.float32, cls=None, max_requests: int | None = None):
     """The manager's memory handler (by default the installed class) for the tiny text model
-    under ``impl``, with ``MAX_BATCH_TOKENS`` per step and the pool left to the free memory.
-    transformers 5.17 groups M3's three layers as one full-attention group."""
+    under ``impl``, with ``MAX_BATCH_TOKENS`` per step, ``max_requests`` request rows (default
+    transformers') and the pool left to the free memory. transformers 5.17 groups M3's three
+    layers as one full-attention group."""
     config = text_config()
     config._attn_implementation = impl
-    cfg = page_config(TOKENS_PER_PAGE, max_batch_tokens=MAX_BATCH_TOKENS, max_memory_percent=1.0)
+    cfg = page_config(
+        TOKENS_PER_PAGE, max_batch_tokens=MAX_BATCH_TOKENS, max_memory_percent=1.0, max_requests_per_batch=max_requests
+    )
     cls = cls or cb_cache.PagedAttentionMemoryHandler
     if not compat.CB_ALLOCATORS:
         return cls(config, cfg, dtype, ["full_attention"], len(config.layer_types))
@@ -104,15 +108,28 @@ def free_memory(monkeypatch):
     monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), AVAILABLE, 0, 0))
 
 
+def step_bytes(tables: int) -> int:
+    """Per cache token, what a step whose history spans the pool allocates, rounded up: rows of
+    ``max_requests_per_batch`` (transformers' fallback, 1024, here) plus one, ``tables`` page
+    tables of an int32 per kernel page (of ``TOKENS_PER_PAGE`` tokens: the kernels take pages of
+    32) and KV-outer's segments, four int32 per kv head and key block. From 5.18 the tables are
+    a K/V one per allocator (full attention, M3's sparse layers) and the sparse layers' index
+    one; in 5.17 the one group's, whose index keys sit beside K/V."""
+    config, rows = text_config(), 1024 + 1
+    segments = rows * config.num_key_value_heads / config.index_block_size
+    return math.ceil(tables * rows * 4 / TOKENS_PER_PAGE + 16 * segments)
+
+
 def test_no_mask_nor_read_back_is_reserved(geometry, free_memory):
     """Beside the pages themselves (in 5.17 K/V and the index keys; from 5.18 a sector's bytes,
-    ``test_sparse_pages_hold_index_keys``), a cache token costs transformers' read index alone
-    (int64 per layer group, one copy per IO set), and no byte goes to an ``[M, N + M]`` mask;
-    under sdpa the same handler reserves both."""
+    ``test_sparse_pages_hold_index_keys``), a cache token costs transformers' read index
+    (int64 per layer group, one copy per IO set) and its share of a step's page tables and
+    KV-outer segments (``step_bytes``), and no
+    byte goes to an ``[M, N + M]`` mask; under sdpa the same handler reserves both."""
     sparse = handler(M3, geometry)
     read_index = sparse.io_multiplier * sparse.num_groups * 8
     if compat.CB_ALLOCATORS:
-        assert sparse.bytes_per_cache_token == read_index
+        assert sparse.bytes_per_cache_token == read_index + step_bytes(tables=3)
         assert sparse.attention_mask_bytes(MAX_BATCH_TOKENS, 100) == 0
         sdpa = handler("paged|sdpa", geometry)
         assert sdpa.bytes_per_cache_token > read_index and sdpa.attention_mask_bytes(MAX_BATCH_TOKENS, 100) > 0
@@ -127,7 +144,7 @@ def test_no_mask_nor_read_back_is_reserved(geometry, free_memory):
     assert (kv + index_keys) * size <= pages <= (kv + index_keys + 2 * sparse.group_size) * size
     for name, peak in sparse.activation_peak.items():
         _, per_cache_token, per_mn, per_mm = sparse._equation_coefficients(peak)
-        assert (per_cache_token, per_mn, per_mm) == (pages + read_index, 0, 0), name
+        assert (per_cache_token, per_mn, per_mm) == (pages + read_index + step_bytes(tables=1), 0, 0), name
     sdpa = handler("paged|sdpa", geometry)
     _, per_cache_token, per_mn, _ = sdpa._equation_coefficients(sdpa.activation_peak["attention"])
     sdpa_pages = 2 * sdpa.group_size * sdpa.page_size * sdpa.cache_dtype.itemsize
@@ -155,10 +172,16 @@ def test_what_m3_sparse_allocates_per_batch_token_is_reserved(geometry, free_mem
 
 
 def test_pool_is_larger_than_under_sdpa(geometry, free_memory):
-    """The same model, free memory and step size give m3_sparse a larger pool than sdpa, though
-    its pages also hold the index keys and its steps reserve the KV-outer partials."""
-    sizes = {impl: pool_size(handler(impl, geometry)) for impl in ("paged|sdpa", M3)}
+    """The same model, free memory, step size and request rows give m3_sparse a larger pool than
+    sdpa, though its pages also hold the index keys and its steps reserve the KV-outer partials
+    and, per cache token, page tables and segments for each request row. This model's K/V are so
+    small (768 bytes a token) that at transformers' 1024 rows the segments (4100 bytes a token)
+    outweigh sdpa's read-back (1152); at M3's shapes (64 query heads over 4 KV heads of 128,
+    key blocks of 128) they are 513 bytes a token against a read-back of 33 KiB."""
+    sizes = {impl: pool_size(handler(impl, geometry, max_requests=64)) for impl in ("paged|sdpa", M3)}
     assert sizes[M3] > sizes["paged|sdpa"] > 0
+    sizes = {impl: pool_size(handler(impl, geometry)) for impl in ("paged|sdpa", M3)}
+    assert 0 < sizes[M3] < sizes["paged|sdpa"]
     sparse = handler(M3, geometry)
     assert sparse.compute_memory_footprint(MAX_BATCH_TOKENS, sizes[M3]) <= AVAILABLE
 
@@ -281,4 +304,60 @@ def test_graphed_steps_stay_within_the_reservation(tmp_path, monkeypatch):
     assert added <= reserved + SLACK, (
         f"with CUDA graphs, steps of up to {GPU_BATCH_TOKENS} tokens added {added / 2**20:.1f} MiB beside the "
         f"cache, the handler reserved {reserved / 2**20:.1f} MiB (+ {SLACK >> 20} MiB slack)"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the cache tensor and the handler's footprint of 5.18 and later")
+def test_a_pool_sized_from_the_free_memory_warms_up_and_serves(tmp_path, monkeypatch):
+    """What ``transformers serve`` does: a pool sized from the free memory (a quarter of it here,
+    so that other tests may share the GPU), CUDA graphs, and the manager warmed up before it
+    starts. The warm-up runs its largest step with ``max_length_k`` at the whole pool, so the
+    step's page tables span it: every warm-up step runs (transformers logs and goes on where
+    one fails), a request then gets its tokens, and the process's peak stays within the
+    handler's whole footprint (pool, page tables, steps)."""
+    import logging
+
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model, handlers = gpu_model_and_handlers(tmp_path, monkeypatch)
+    failures = []
+
+    class Failures(logging.Handler):
+        def emit(self, record):
+            if "Failed to warm up" in record.getMessage():
+                failures.append(record.getMessage())
+
+    watcher = Failures()
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    cb_logger.addHandler(watcher)
+    cfg = page_config(256, max_batch_tokens=GPU_BATCH_TOKENS, max_memory_percent=0.25)
+    torch.cuda.reset_peak_memory_stats()
+    manager = model.init_continuous_batching(
+        generation_config=gen_config(2), continuous_batching_config=cfg,
+        workload_hints=WorkloadHints(max_prompt_length=model.config.max_position_embeddings),
+    )
+    try:
+        manager.warmup()
+        manager.start()
+        g = torch.Generator().manual_seed(2)
+        manager.add_request(random_prompt(GPU_BATCH_TOKENS, g).tolist(), request_id="full", max_new_tokens=2)
+        out = manager.get_result(request_id="full", timeout=300)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        cache = manager.batch_processor.cache
+        sectors, max_tokens_read = cache.num_sectors, cache.max_tokens_read
+    finally:
+        manager.stop(block=True, timeout=30)
+        cb_logger.removeHandler(watcher)
+    assert failures == []
+    assert out is not None and out.error is None
+    (h,) = handlers
+    # The warm-up's step was as wide as the pool: tables of a million entries or more.
+    assert max_tokens_read // 128 * 1025 >= 1 << 20
+    footprint = h.compute_memory_footprint(GPU_BATCH_TOKENS, sectors)
+    added = peak - h.allocated_before_cache
+    assert added <= footprint + SLACK, (
+        f"{added / 2**20:.1f} MiB allocated from the handler's sizing to the end of a full step, the handler's "
+        f"footprint is {footprint / 2**20:.1f} MiB (+ {SLACK >> 20} MiB slack)"
     )

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_a5d5f062bf"
+NAMESPACE = "_m3_sparse_cpu_ab66639c88"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -459,6 +459,16 @@ def kvouter_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, topk
     return dispatch.partial_bytes_per_row(slots, num_heads // num_kv_heads, head_dim, dtype.itemsize) + index
 
 
+def kvouter_bytes_per_segment() -> int:
+    """Bytes a KV-outer call on the kernels allocates at once per segment, a (sequence, kv
+    head, key block) of the block tables' width (host arithmetic, for sizing memory pools):
+    the index build's offsets, totals and per-chunk counts (a row per sequence, and one per
+    chunk of a long call: two int32 counted), or after it the offsets and the schedule's tile
+    bases. Segments are ``batch * Hkv * width * page_size / block_size``, whatever the
+    sequences hold."""
+    return 4 * torch.int32.itemsize
+
+
 # --------------------------------------------------------------------------- decode
 @attention_op(without=("max_seqlen_q", "partial_dtype"))
 def sparse_decode_attention(

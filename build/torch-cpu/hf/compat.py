@@ -143,6 +143,14 @@ def cb_tokens_per_page(cb_config) -> int:
     return getattr(cb_config, CB_PAGE_SIZE_FIELD)
 
 
+def cb_max_requests(cb_config) -> int:
+    """The request rows of the manager's step inputs: ``max_requests_per_batch``, or
+    transformers' fallback where it is not resolved yet (the memory handler sees it before)."""
+    from transformers.generation.continuous_batching import initialization
+
+    return cb_config.max_requests_per_batch or initialization.FALLBACK_DEFAULTS["max_requests_per_batch"]
+
+
 def cb_pool_tokens(cache, cb_config) -> int:
     """The tokens one request can hold in an empty continuous-batching cache, in pages of
     ``cb_tokens_per_page`` tokens. Up to 5.17: its whole-model blocks (``num_blocks``). From

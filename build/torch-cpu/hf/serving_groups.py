@@ -28,6 +28,7 @@ from transformers.generation.continuous_batching import cache as cb_cache
 
 from .serving_layout import (
     CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse, sparse_step_bytes,
+    step_bytes_per_cache_token,
 )
 
 _ORIGINAL_GROUP_LAYERS = getattr(
@@ -69,7 +70,12 @@ class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
     * no attention mask (the ``M * N`` and ``M * M`` terms) and no K/V read back from the cache
       (the attention peak's ``delta_n``): the kernels read the pools in place;
     * what m3_sparse allocates per batch token instead (``sparse_step_bytes``), added
-      to the attention peak's ``delta_m``.
+      to the attention peak's ``delta_m``;
+    * per cache token, at every peak (a step keeps them to its end), what a step with the
+      pool's whole history allocates (``step_bytes_per_cache_token``): the group's page table,
+      one for K/V and the index keys beside them, and KV-outer's segments. This handler has no
+      fixed term for the temporaries of the table's build (``TABLE_BUILD_BYTES``): they are
+      left to the memory ``max_memory_percent`` keeps free.
     """
 
     def __init__(self, config, *args, **kwargs):
@@ -83,6 +89,7 @@ class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
             self.page_size += -(-sparse * config.index_head_dim // (2 * self.group_size))
         self.num_attention_masks = 0
         self.sparse_step_bytes = sparse_step_bytes(config, self.activation_dtype)
+        self.step_cache_token_bytes = step_bytes_per_cache_token(config, self.cb_config, self.num_groups)
 
     @property
     def activation_peak(self) -> dict[str, tuple[int, ...]]:
@@ -90,6 +97,8 @@ class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
         if self.m3_sparse:
             delta_m, _, delta_mm, delta_mn = peaks["attention"]
             peaks["attention"] = (delta_m + self.sparse_step_bytes, 0, delta_mm, delta_mn)
+            for name, (delta_m, delta_n, delta_mm, delta_mn) in peaks.items():
+                peaks[name] = (delta_m, delta_n + self.step_cache_token_bytes, delta_mm, delta_mn)
         return peaks
 
 

@@ -37,7 +37,8 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 
 from . import compat
 from .serving_layout import (
-    CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, PoolsByCache, page_size_for, runs_m3_sparse, sparse_step_bytes,
+    CB_IMPLEMENTATION, SPARSE_LAYER_TYPE, TABLE_BUILD_BYTES, PoolsByCache, page_size_for, runs_m3_sparse,
+    sparse_step_bytes, step_bytes_per_cache_token,
 )
 
 FULL_LAYER_TYPE = "full_attention"  # FullAttentionCacheAllocator's layer type (its registry key)
@@ -388,19 +389,33 @@ class _MemoryHandler(_ORIGINAL_MEMORY_HANDLER):
     token), since the kernels read the pools in place. What m3_sparse allocates per batch token
     instead (``sparse_step_bytes``) is added to transformers' figure, whose largest
     peak may be the LM head's, which never coincides with it: the estimate errs towards a
-    smaller pool. Other models get transformers' figures."""
+    smaller pool. Per cache token, what a step with the pool's whole history allocates
+    (``step_bytes_per_cache_token``: a K/V page table per allocator, one for the sparse layers'
+    index keys, KV-outer's segments), and once the temporaries of the tables' build
+    (``TABLE_BUILD_BYTES``). Other models get transformers' figures."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.sparse_step_bytes = 0
+        self.sparse_step_bytes = self.step_cache_token_bytes = self.table_build_bytes = 0
         if runs_m3_sparse(config):
             self.num_attention_masks = 0
             self.kv_heads_at_peak = 0
             self.sparse_step_bytes = sparse_step_bytes(config, self.activation_dtype)
+            tables = self.num_groups + (SPARSE_LAYER_TYPE in (getattr(config, "layer_types", None) or ()))
+            self.step_cache_token_bytes = step_bytes_per_cache_token(config, self.cb_config, tables)
+            self.table_build_bytes = TABLE_BUILD_BYTES
 
     @property
     def bytes_per_batch_token(self) -> int:
         return super().bytes_per_batch_token + self.sparse_step_bytes
+
+    @property
+    def bytes_per_cache_token(self) -> int:
+        return super().bytes_per_cache_token + self.step_cache_token_bytes
+
+    @property
+    def fixed_overhead_bytes(self) -> int:
+        return super().fixed_overhead_bytes + self.table_build_bytes
 
 
 _MemoryHandler.m3_sparse_original = _ORIGINAL_MEMORY_HANDLER

@@ -186,10 +186,10 @@ LAUNCH_CACHE_SIZE = 64  # specializations kept per kernel; a decode step reuses 
 # The Triton releases whose compiled-kernel launcher ``launch_kernel`` calls directly (checked
 # on the H200 by tests/kernels/test_launch.py); other releases launch through Triton every time.
 DIRECT_LAUNCH_TRITON = ("3.6.",)
-# The same for the Gluon kernels (their descriptors are keyed, ``_args_key``): none yet, as
-# tests/kernels/test_launch.py's Gluon comparison has not run on a GPU; until it passes there
-# they launch through Triton (which costs their call the binder's host time).
-DIRECT_LAUNCH_GLUON_TRITON: tuple[str, ...] = ()
+# The same for the Gluon kernels (their descriptors are keyed, ``_args_key``), checked by the
+# same test's Gluon comparison; on other releases they launch through Triton (which costs their
+# call the binder's host time).
+DIRECT_LAUNCH_GLUON_TRITON = ("3.6.",)
 _launch_cache: dict = {}
 _UNSEEN = object()
 

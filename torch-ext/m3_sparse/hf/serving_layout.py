@@ -14,6 +14,7 @@ kernel page starts at the slot of its first token; each layer group of the cache
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
@@ -142,6 +143,32 @@ def _key_lengths(kwargs: dict) -> torch.Tensor:
     return next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k
 
 
+# A step's page tables are ``[R + 1, W]`` int32: R the manager's request rows (a fixed
+# number, ``max_requests_per_batch``, for its CUDA graphs) and W the kernel pages of the step's
+# longest history as the manager states it (``max_length_k``), which its warm-up sets to the
+# whole pool. KV-outer's segments follow the same rows and width. Both are what the memory
+# handler reserves per cache token (:func:`step_bytes_per_cache_token`). The tables are built
+# ``TABLE_BUILD_ENTRIES`` entries at a time, so the int64 temporaries of a build stay within
+# ``TABLE_BUILD_BYTES`` whatever W is (one slice of a step of a few thousand tokens a row).
+TABLE_BUILD_ENTRIES = 1 << 21
+TABLE_BUILD_BYTES = TABLE_BUILD_ENTRIES * 64  # a slice's temporaries: seven int64 and a bool per entry, at most
+
+
+def step_bytes_per_cache_token(config, cb_config, tables: int) -> int:
+    """Bytes per token of the pool, rounded up, that a step under ``cb_config`` allocates for
+    a history as long as the pool: ``tables`` page tables of ``R + 1`` rows of kernel pages and,
+    where the model has sparse layers, KV-outer's segments (``api.kvouter_bytes_per_segment``)
+    of ``R + 1`` rows of key blocks per kv head."""
+    rows = compat.cb_max_requests(cb_config) + 1
+    page_size = page_size_for(compat.cb_tokens_per_page(cb_config))
+    tables_bytes = tables * rows * torch.int32.itemsize / page_size
+    segment_bytes = 0.0
+    if SPARSE_LAYER_TYPE in (getattr(config, "layer_types", None) or ()):
+        per_row = config.num_key_value_heads / config.index_block_size
+        segment_bytes = api.kvouter_bytes_per_segment() * rows * per_row
+    return math.ceil(tables_bytes + segment_bytes)
+
+
 def _first_slots_from_history(history, starts, kv_lens, width: int, page_size: int) -> torch.Tensor:
     """``[R, width]``: the slot of the first token of each request's kernel pages, read from the
     slots of its tokens in order (request ``r``'s start at ``starts[r]``). Pages past a
@@ -152,17 +179,21 @@ def _first_slots_from_history(history, starts, kv_lens, width: int, page_size: i
     return torch.where(first[None, :] < kv_lens[:, None], slots, 0)
 
 
-def _first_slots_from_pages(pages, kv_lens, tokens_per_page: int, width: int, page_size: int) -> torch.Tensor:
+def _page_starts(kv_lens: torch.Tensor, tokens_per_page: int) -> torch.Tensor:
+    """``[R]`` int64: where each request's cache pages start in a read index of one slot per
+    cache page of ``tokens_per_page`` tokens (request ``r``'s after the pages of those before it)."""
+    counts = (kv_lens.to(torch.int64) + tokens_per_page - 1) // tokens_per_page
+    return torch.cumsum(counts, 0) - counts
+
+
+def _first_slots_from_pages(pages, starts, kv_lens, tokens_per_page: int, width: int, page_size: int) -> torch.Tensor:
     """``[R, width]`` like :func:`_first_slots_from_history`, from the first slots of each
-    request's cache pages of ``tokens_per_page`` tokens, in order (request ``r``'s after the
-    pages of those before it; ``pages`` is not empty)."""
-    lens = kv_lens.to(torch.int64)
-    counts = (lens + tokens_per_page - 1) // tokens_per_page  # [R] cache pages of each request
-    starts = torch.cumsum(counts, 0) - counts
+    request's cache pages of ``tokens_per_page`` tokens (request ``r``'s from ``starts[r]``,
+    :func:`_page_starts`; ``pages`` is not empty)."""
     first = torch.arange(width, device=pages.device, dtype=torch.int64) * page_size  # [W] tokens
     where = (starts[:, None] + first[None, :] // tokens_per_page).clamp(max=pages.numel() - 1)
     slots = pages[where] + first[None, :] % tokens_per_page
-    return torch.where(first[None, :] < lens[:, None], slots, 0)
+    return torch.where(first[None, :] < kv_lens.to(torch.int64)[:, None], slots, 0)
 
 
 def _first_slots_from_blocks(entries: torch.Tensor, tokens_per_page: int, page_size: int) -> torch.Tensor:
@@ -186,9 +217,25 @@ def _new_token_slots(first, cu_q, kv_lens, num_tokens: int, page_size: int, tras
     return torch.where(real, first[r, pos // page_size] + pos % page_size, trash)
 
 
-def _with_trailing_row(tables: torch.Tensor | None) -> torch.Tensor | None:
-    """Page tables with a row of zeros for the trailing sequence (the padding tokens')."""
-    return None if tables is None else torch.cat([tables, torch.zeros_like(tables[:1])])
+def _page_tables(group: "PoolGroup", first_slots, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group's K/V and index page tables ``[rows + 1, width]`` (the last row, the trailing
+    sequence's, zeros), from ``first_slots(r)``, the first-slot table of the rows of slice
+    ``r``, taken ``TABLE_BUILD_ENTRIES`` entries at a time."""
+    step = max(1, TABLE_BUILD_ENTRIES // max(width, 1))
+    kv_tables = index_tables = None
+    for r0 in range(0, rows or 1, step):
+        r1 = min(rows, r0 + step)
+        kv, index = group.page_tables(first_slots(slice(r0, r1)))
+        if kv_tables is None:
+            kv_tables = kv.new_zeros(rows + 1, width)
+            if index is None or index is kv:  # no index keys, or index keys slot for slot beside K/V
+                index_tables = None if index is None else kv_tables
+            else:
+                index_tables = index.new_zeros(rows + 1, width)
+        kv_tables[r0:r1] = kv
+        if index_tables is not None and index_tables is not kv_tables:
+            index_tables[r0:r1] = index
+    return kv_tables, index_tables
 
 
 def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
@@ -198,29 +245,38 @@ def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = _key_lengths(kwargs)
     kv_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    rows = kv_lens.shape[0]
     max_q, max_k = compat.cb_step_max_lengths(kwargs)
     max_k = next(iter(max_k.values())) if isinstance(max_k, dict) else max_k  # equal for every layer type here
     block_table = kwargs.get("block_table")
     groups = {}
     for g, group in enumerate(pools.groups):
-        if block_table is not None:  # the decode fast path: block tables, no indices
-            first = _first_slots_from_blocks(block_table[g], group.tokens_per_page, page_size)
+        tpp = group.tokens_per_page
+        if block_table is not None:
+            # The decode fast path: block tables (as wide as max_blocks_per_request), no indices.
+            first = _first_slots_from_blocks(block_table[g], tpp, page_size)
             slots = _new_token_slots(first, cu_q, kv_lens, num_tokens, page_size, group.write_trash_index)
+            width = first.shape[1]
+
+            def first_slots(r: slice, first=first):
+                return first[r]
         else:
             slots = kwargs["write_index"][g][:num_tokens]
             read = kwargs["read_index"][g]
             width = max(1, -(-int(max_k) // page_size))
             if read.numel() and group.reads_per_page:
-                first = _first_slots_from_pages(read, kv_lens, group.tokens_per_page, width, page_size)
+                starts = _page_starts(kv_lens, tpp)
+
+                def first_slots(r: slice, read=read, starts=starts, tpp=tpp, width=width):
+                    return _first_slots_from_pages(read, starts[r], kv_lens[r], tpp, width, page_size)
             else:
                 # With no history to read (fresh prompts only) the written slots are the whole history.
                 history = read if read.numel() else slots
-                first = _first_slots_from_history(history, cu_k[:-1], kv_lens, width, page_size)
-        kv_tables, index_tables = group.page_tables(first)
-        groups[g] = GroupStep(
-            slots=slots.to(torch.int64), kv_tables=_with_trailing_row(kv_tables),
-            index_tables=_with_trailing_row(index_tables),
-        )
+
+                def first_slots(r: slice, history=history, width=width):
+                    return _first_slots_from_history(history, cu_k[:-1][r], kv_lens[r], width, page_size)
+        kv_tables, index_tables = _page_tables(group, first_slots, rows, width)
+        groups[g] = GroupStep(slots=slots.to(torch.int64), kv_tables=kv_tables, index_tables=index_tables)
     end = torch.full((1,), num_tokens, dtype=cu_q.dtype, device=cu_q.device)
     return ServingStep(
         groups=groups,
