@@ -259,11 +259,23 @@ MUTATIONS = (
     ),  # fmt: skip
     Mutation(
         name="serving_page_reads_skip_a_page", path="hf/serving_layout.py",
-        old="starts = torch.cumsum(counts, 0) - counts", new="starts = torch.cumsum(counts, 0) - counts + 1",
+        old="return torch.cumsum(counts, 0) - counts", new="return torch.cumsum(counts, 0) - counts + 1",
         tests=("tests/test_continuous_batching.py::test_kernel_view_matches_cache_reads",
                "tests/test_continuous_batching.py::test_mixed_lengths_equal_generate"),
         what="a step with a history finds each request's pages one cache page late in the manager's per-page read "
              "index (transformers 5.18 and later)",
+    ),  # fmt: skip
+    Mutation(
+        name="page_table_slice_short", path="hf/serving_layout.py",
+        old="kv_tables[r0:r1] = kv", new="kv_tables[r0:r1 - 1] = kv[:-1]",
+        tests=("tests/test_continuous_batching.py::test_page_tables_built_in_slices",),
+        what="a step's K/V page tables, built a slice of rows at a time, leave each slice's last row unfilled",
+    ),  # fmt: skip
+    Mutation(
+        name="step_segments_unreserved", path="hf/serving_layout.py",
+        old="segment_bytes = api.kvouter_bytes_per_segment() * rows * per_row", new="segment_bytes = 0.0",
+        tests=("tests/test_serving_memory.py::test_no_mask_nor_read_back_is_reserved",),
+        what="the memory handler leaves out KV-outer's segments of a step as wide as the pool",
     ),  # fmt: skip
     Mutation(
         name="cancelled_request_hashed", path="hf/serving_allocator.py",
