@@ -281,6 +281,8 @@ def run_config(name, pattern, n_seq, seq_len, args):
     r["host_module"] = common.host_ms(module)
     with common.direct_launches(launch, False):
         r["host_module_triton"] = common.host_ms(module)
+    if args.host_profile:
+        log(f"host profile of one module call ({name} {pattern}):\n{common.host_profile(module)}")
     r["flops"] = 4 * D * GROUP * useful_keys(sel, seq_len)
     tr = traffic(index, n)
     r.update(bytes_attn=tr["attn"], bytes_comb=tr["combine"], bytes=tr["module"], nsb=tr["nsb"], used=tr["used"])
@@ -525,6 +527,8 @@ def main():
                     help="block_m:block_n:num_warps:num_stages,... launch variants of the query-outer kernel timed "
                          "after its default one (e.g. 128:64:8:2,128:128:8:2,64:64:4:3)")
     ap.add_argument("--flex-configs", default="8K,32K,128K,16x8K", help="configs that run FlexAttention")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="log where the module's host time goes (cProfile, functions by their own time)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--then-run", action="store_true", help="after --tune, run the benchmark with the best variants")
     ap.add_argument("--tune-patterns", default="hot", help="selection patterns of --tune")

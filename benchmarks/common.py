@@ -477,6 +477,31 @@ def host_ms(fn, reps: int = 21, lead_ms: float = 20.0) -> float:
     return statistics.median(times)
 
 
+def host_profile(fn, reps: int = 21, lead_ms: float = 20.0, top: int = 30) -> str:
+    """Where the host time of one call goes: ``cProfile`` over ``reps`` calls, each issued
+    while a spin kernel holds the GPU for ``lead_ms`` (as in :func:`host_ms`, so no call waits
+    on the GPU); the ``top`` functions by their own time, as ``pstats`` prints them."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    sync()
+    profile = cProfile.Profile()
+    cycles = None if SMOKE or not torch.cuda.is_available() else spin_cycles(lead_ms)
+    for _ in range(reps):
+        if cycles is not None:
+            torch.cuda._sleep(cycles)
+        profile.enable()
+        fn()
+        profile.disable()
+        sync()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 @contextlib.contextmanager
 def direct_launches(launch, on: bool):
     """The direct launches of ``launch`` (the kernel package's ``core.launch``) on (its

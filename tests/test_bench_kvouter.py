@@ -1,12 +1,13 @@
 """benchmarks/bench_kvouter.py on the CPU, the parts that need no GPU: the union of selected
 blocks per query-outer tile it reports (against a count made token by token), the query-outer
 rows and launch variants of a config (the op on its torch path, timers that only call), and
-its table with and without the query-outer columns. No timing is asserted."""
+its table with and without the query-outer columns, and its host profile. No timing is asserted."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,3 +109,20 @@ def test_tuning_compares_the_partial_outputs_alone():
     assert bench_kvouter.o_diff(other_m, ref, 20) == 0.0
     other_o = (ref[0] + 0.5, ref[1].clone())
     assert bench_kvouter.o_diff(other_o, ref, 20) > 1e-2
+
+
+def test_host_profile_names_the_functions_a_call_spends_its_host_time_in():
+    """``--host-profile``'s table: the functions of the profiled call by their own time, the
+    call's own function among them, with its call count over the repetitions."""
+
+    def slow_part():
+        time.sleep(0.002)
+
+    def call():
+        slow_part()
+        torch.zeros(4)
+
+    text = bench_kvouter.common.host_profile(call, reps=3)
+    lines = [line for line in text.splitlines() if "slow_part" in line]
+    assert len(lines) == 1 and lines[0].split()[0] == "3"
+    assert "Ordered by: internal time" in text
