@@ -219,16 +219,23 @@ def _new_token_slots(first, cu_q, kv_lens, num_tokens: int, page_size: int, tras
 
 def _page_tables(group: "PoolGroup", first_slots, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The group's K/V and index page tables ``[rows + 1, width]`` (the last row, the trailing
-    sequence's, zeros), from ``first_slots(r)``, the first-slot table of the rows of slice
-    ``r``, taken ``TABLE_BUILD_ENTRIES`` entries at a time."""
+    sequence's, zeros; one table for both where the index keys sit slot for slot beside K/V),
+    from ``first_slots(r)``, the first-slot table of the rows of slice ``r``, taken
+    ``TABLE_BUILD_ENTRIES`` entries at a time."""
     step = max(1, TABLE_BUILD_ENTRIES // max(width, 1))
+    if rows <= step:  # one slice (every step but the widest): each table is a copy with its trailing row
+        kv, index = group.page_tables(first_slots(slice(0, rows)))
+        kv_tables = torch.cat([kv, torch.zeros_like(kv[:1])])
+        if index is None or index is kv:
+            return kv_tables, None if index is None else kv_tables
+        return kv_tables, torch.cat([index, torch.zeros_like(index[:1])])
     kv_tables = index_tables = None
-    for r0 in range(0, rows or 1, step):
+    for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         kv, index = group.page_tables(first_slots(slice(r0, r1)))
         if kv_tables is None:
             kv_tables = kv.new_zeros(rows + 1, width)
-            if index is None or index is kv:  # no index keys, or index keys slot for slot beside K/V
+            if index is None or index is kv:
                 index_tables = None if index is None else kv_tables
             else:
                 index_tables = index.new_zeros(rows + 1, width)
