@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_dce95579f3"
+NAMESPACE = "_m3_sparse_cpu_be01be8a6c"
 
 ops = getattr(torch.ops, NAMESPACE)
 

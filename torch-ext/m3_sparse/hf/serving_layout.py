@@ -223,26 +223,26 @@ def _page_tables(group: "PoolGroup", first_slots, rows: int, width: int) -> tupl
     from ``first_slots(r)``, the first-slot table of the rows of slice ``r``, taken
     ``TABLE_BUILD_ENTRIES`` entries at a time."""
     step = max(1, TABLE_BUILD_ENTRIES // max(width, 1))
-    if rows <= step:  # one slice (every step but the widest): each table is a copy with its trailing row
+    if rows <= step:  # one slice (every step but the widest): a copy with the trailing row
         kv, index = group.page_tables(first_slots(slice(0, rows)))
-        kv_tables = torch.cat([kv, torch.zeros_like(kv[:1])])
-        if index is None or index is kv:
-            return kv_tables, None if index is None else kv_tables
-        return kv_tables, torch.cat([index, torch.zeros_like(index[:1])])
+        kv_tables = _with_trailing_row(kv)
+        return kv_tables, kv_tables if index is kv else _with_trailing_row(index)
     kv_tables = index_tables = None
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         kv, index = group.page_tables(first_slots(slice(r0, r1)))
         if kv_tables is None:
             kv_tables = kv.new_zeros(rows + 1, width)
-            if index is None or index is kv:
-                index_tables = None if index is None else kv_tables
-            else:
-                index_tables = index.new_zeros(rows + 1, width)
+            index_tables = kv_tables if index is kv else None if index is None else index.new_zeros(rows + 1, width)
         kv_tables[r0:r1] = kv
-        if index_tables is not None and index_tables is not kv_tables:
+        if index is not None and index is not kv:
             index_tables[r0:r1] = index
     return kv_tables, index_tables
+
+
+def _with_trailing_row(tables: torch.Tensor | None) -> torch.Tensor | None:
+    """Page tables with a row of zeros for the trailing sequence (the padding tokens')."""
+    return None if tables is None else torch.cat([tables, torch.zeros_like(tables[:1])])
 
 
 def build_step(pools: CachePools, kwargs: dict, num_tokens: int) -> ServingStep:
