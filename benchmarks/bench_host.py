@@ -1,6 +1,6 @@
 """Host time of an eager generate() decode step, layer by layer: m3_sparse against its dense
-twin, m3_sparse calling the ops where it runs plans of them (``hf.attention``'s
-``PLANNED_MAX_QUERIES`` at 0), and m3_sparse with every kernel launched through Triton
+twin, m3_sparse calling the ops where it runs plans of them (``hf.attention``'s ``PLANNED``
+off), and m3_sparse with every kernel launched through Triton
 (``core.launch``'s direct launches off), in turn on one machine.
 
     python3 benchmarks/bench_host.py --layers sssfsssfsssf --sizes 2k
@@ -18,7 +18,19 @@ over a static cache with sdpa) of the same repetition, the median of those diffe
 host's speed drifts between repetitions more than within one). Rows go to
 ``<out>/bench_host.json``; the last thing printed is a markdown table.
 
-``--pieces`` then times the pieces of a sparse layer's step: the op calls of the first
+``--prefill`` times the prompt's forward pass instead (an eager generate() of one token): a
+spin kernel issued as the forward begins holds the GPU for ``PREFILL_LEAD_MS``, so no layer
+waits for it, and each layer's figure is what issuing it costs the host (a layer that waited
+on the GPU would show the lead's length). ``--profile`` adds cProfile's view of the sparse
+layers' forwards in those calls (functions by their own time).
+
+    python3 benchmarks/bench_host.py --prefill --sizes 8k --profile
+
+With ``--prefill``, ``--pieces`` times the ops the prompt's forward calls (``index_prep``,
+``index_topk``, ``sparse_attention``, the attention function; ``dense_paged_attention`` of
+the first full layer), each repeated alone while a spin kernel holds the GPU.
+
+Otherwise ``--pieces`` times the pieces of a sparse layer's step: the op calls of the first
 sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``, the
 runs of the ``index_topk`` and ``sparse_attention`` plans, the attention function), the run of
 the first full layer's ``dense_paged_attention`` plan, and the dense twin's attention
@@ -54,6 +66,12 @@ PIECE_PLANS = (
     ("PlannedDenseAttention", "dense_paged_attention (a plan's run, a full layer)"),
 )
 PIECE_CALLS = 200
+# A prefill calls these ops directly (no plans); dense_paged_attention from a full layer.
+PREFILL_PIECE_OPS = ("index_topk", "sparse_attention", "dense_paged_attention")
+PREFILL_PIECE_CALLS = 4  # calls a round, issued within PREFILL_LEAD_MS
+PREFILL_CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-ops", "m3_sparse-eager-triton-launches")
+# Longer than the host's whole prefill forward of the 12-layer model at 8K (tens of ms).
+PREFILL_LEAD_MS = 250.0
 M3_FUNCTION = "attention function (m3_sparse)"
 
 
@@ -65,27 +83,36 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens of the long call (default 42; --quick 6)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of every configuration (default 5; --quick 1)")
     p.add_argument("--pieces", action="store_true", help="also time each op call of a sparse layer's step alone")
+    p.add_argument("--prefill", action="store_true", help="time the prompt's forward pass (prefill) instead of a step")
+    p.add_argument("--profile", action="store_true", help="with --prefill: cProfile of the sparse layers' forwards")
     args = p.parse_args(argv)
     args.sizes = args.sizes or ("64" if args.quick else "2k")
     args.new_tokens = args.new_tokens or (6 if args.quick else 42)
     args.reps = args.reps or (1 if args.quick else 5)
+    if args.profile and not args.prefill:
+        p.error("--profile: only with --prefill")
     if args.new_tokens < 3:
         p.error("--new-tokens: at least 3 (a steady step is measured against a call of 2)")
     return args
 
 
 @contextmanager
-def layer_clock(totals: dict):
-    """Host seconds of every decoder layer's forward, summed under "sparse" and "full"."""
+def layer_clock(totals: dict, profile=None):
+    """Host seconds of every decoder layer's forward, summed under "sparse" and "full";
+    ``profile`` (a ``cProfile.Profile``) runs over the sparse layers' forwards."""
     original = m3.MiniMaxM3VLDecoderLayer.forward
 
     def forward(self, *a, **k):
+        sparse = getattr(self.self_attn, "indexer", None) is not None
+        if sparse and profile is not None:
+            profile.enable()
         t = time.perf_counter()
         try:
             return original(self, *a, **k)
         finally:
-            kind = "sparse" if getattr(self.self_attn, "indexer", None) is not None else "full"
-            totals[kind] = totals.get(kind, 0.0) + time.perf_counter() - t
+            totals["sparse" if sparse else "full"] = totals.get("sparse" if sparse else "full", 0.0) + time.perf_counter() - t
+            if sparse and profile is not None:
+                profile.disable()
 
     m3.MiniMaxM3VLDecoderLayer.forward = forward
     try:
@@ -98,13 +125,12 @@ def layer_clock(totals: dict):
 def planned(on: bool):
     """The integration's plans of the layers' ops on (its default) or off."""
     attention = kernel_module("hf.attention")
-    bound = attention.PLANNED_MAX_QUERIES
-    if not on:
-        attention.PLANNED_MAX_QUERIES = 0
+    was = attention.PLANNED
+    attention.PLANNED = on
     try:
         yield
     finally:
-        attention.PLANNED_MAX_QUERIES = bound
+        attention.PLANNED = was
 
 
 def direct_launches(on: bool):
@@ -127,6 +153,117 @@ def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=Non
         bg.generate(model, ids, mask, new_tokens, extra)
         common.sync(device)
         return time.perf_counter() - t, totals
+
+
+@contextmanager
+def gpu_lead(model, device, ms: float):
+    """A spin kernel of ``ms`` issued as each forward of ``model`` begins (none off CUDA)."""
+    cycles = common.spin_cycles(ms) if device.type == "cuda" else None
+
+    def lead(module, args, kwargs):
+        if cycles is not None:
+            torch.cuda._sleep(cycles)
+
+    hook = model.model.register_forward_pre_hook(lead, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]:
+    """Host ms of the prompt's forward pass per layer kind, each configuration in turn every
+    repetition (the first warms them up); ``profile`` covers the sparse layers of m3_sparse-eager."""
+    samples = {c: {"sparse": [], "full": []} for c in PREFILL_CONFIGS}
+    for rep in range(args.reps + 1):
+        for config in PREFILL_CONFIGS:
+            dense = config.startswith("dense")
+            model = models["dense" if dense else "sparse"]
+            extra = {"disable_compile": True}
+            if dense:
+                extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 1)
+            totals: dict = {}
+            profiled = profile if rep and config == "m3_sparse-eager" else None
+            with (
+                direct_launches(not config.endswith("triton-launches")), planned(not config.endswith("-ops")),
+                gpu_lead(model, device, PREFILL_LEAD_MS),
+            ):
+                common.sync(device)
+                with layer_clock(totals, profiled):
+                    bg.generate(model, ids, mask, 1, extra)
+                common.sync(device)
+            if rep == 0:
+                continue
+            for kind in ("sparse", "full"):
+                count = args.layers.count(kind[0]) if not dense else (len(args.layers) if kind == "full" else 0)
+                if count:
+                    samples[config][kind].append(totals.get(kind, 0.0) / count)
+    ms = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
+    return [{"config": c, "sparse_layer_ms": ms(s["sparse"]), "full_layer_ms": ms(s["full"]),
+             "sparse_layer_each_ms": [x * 1e3 for x in s["sparse"]]} for c, s in samples.items()]
+
+
+def profile_text(profile, order: str, top: int = 30) -> str:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
+    return text.getvalue()
+
+
+def log_pieces(log, pieces: list[dict], what: str) -> None:
+    if not pieces:
+        return
+    log(f"| piece ({what}) | host us a call |")
+    log("|---|---|")
+    for piece in pieces:
+        log(f"| {piece['piece']} | {piece['us']:.1f} |")
+    log("")
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _spread(each: list) -> str:
+    """`` (lowest to highest)`` of a figure's repetitions, "" without any."""
+    return f" ({min(each):.3f} to {max(each):.3f})" if each else ""
+
+
+def prefill_table(rows: list[dict], args) -> list[str]:
+    lines = ["| layers | prompt | config | sparse layer host ms (range) | full layer host ms |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | "
+                     f"{_ms(r['sparse_layer_ms'])}{_spread(r['sparse_layer_each_ms'])} | {_ms(r['full_layer_ms'])} |")
+    return lines
+
+
+def prefill_main(args, log, results, models, ids, mask, device) -> int:
+    import cProfile
+
+    profile = cProfile.Profile() if args.profile else None
+    rows = measure_prefill(args, models, ids, mask, device, profile)
+    pieces = []
+    if args.pieces:
+        calls, _cache = record_pieces(models, ids, mask, device, prefill=True)
+        pieces = time_pieces(calls, args.reps, device, lead_ms=PREFILL_LEAD_MS)
+    for piece in pieces:
+        results.add(f"{args.layers} {args.sizes} prefill", piece["us"] / 1e3, what=f"piece: {piece['piece']}",
+                    sizes={"size": args.sizes}, calls=PREFILL_PIECE_CALLS, reps=args.reps)
+    for r in rows:
+        results.add(f"{args.layers} {args.sizes} prefill", r["sparse_layer_ms"], what=r["config"],
+                    sizes={"size": args.sizes}, full_layer_ms=r["full_layer_ms"],
+                    sparse_layer_each_ms=r["sparse_layer_each_ms"], reps=args.reps, lead_ms=PREFILL_LEAD_MS)
+    results.write()
+    if profile is not None:
+        log(f"cProfile of the sparse layers' prefill forwards, m3_sparse-eager, {args.reps} calls:")
+        log(profile_text(profile, "tottime"))
+        log(profile_text(profile, "cumulative", 60))
+    log_pieces(log, pieces, "one prefill: the first sparse layer, the first full layer; the dense twin's first layer")
+    for line in prefill_table(rows, args):
+        log(line)
+    return 0
 
 
 def setup(args):
@@ -171,13 +308,13 @@ def measure(args, models, ids, mask, device) -> list[dict]:
 
 
 @contextmanager
-def recorded_calls(calls: dict, armed: list):
+def recorded_calls(calls: dict, armed: list, ops: tuple = ()):
     """While ``armed[0]``, keep the first call (function, args, kwargs) of each piece: the ops of
-    ``PIECE_OPS``, the runs of the plans of ``PIECE_PLANS`` and the attention functions of
-    m3_sparse and sdpa."""
+    ``PIECE_OPS`` and ``ops`` (the ops a prefill calls directly), the runs of the plans of
+    ``PIECE_PLANS`` and the attention functions of m3_sparse and sdpa."""
     api = kernel_module("api")
     # (label, the function, how to put a function in its place)
-    patched = [(name, getattr(api, name), functools.partial(setattr, api, name)) for name in PIECE_OPS]
+    patched = [(name, getattr(api, name), functools.partial(setattr, api, name)) for name in PIECE_OPS + ops]
     patched += [(label, getattr(api, cls).run, functools.partial(setattr, getattr(api, cls), "run"))
                 for cls, label in PIECE_PLANS]
     patched += [(f"attention function ({impl})", ALL_ATTENTION_FUNCTIONS[impl],
@@ -202,68 +339,77 @@ def recorded_calls(calls: dict, armed: list):
             put(fn)
 
 
-def record_pieces(models, ids, mask, device) -> tuple[dict, object]:
-    """The pieces' calls in the third forward pass (a decode step) of an eager generate() of
-    each model: the first sparse layer's, and the dense twin's first layer's; and the sparse
-    model's cache, which the caller keeps while it repeats them (the cache layers that the
-    attention function reads hold it by a weak reference)."""
+def record_pieces(models, ids, mask, device, prefill: bool = False) -> tuple[dict, object]:
+    """The pieces' calls in the third forward pass (a decode step; with ``prefill`` the first,
+    the prompt's) of an eager generate() of each model: the first sparse layer's, and the
+    dense twin's first layer's; and the sparse model's cache, which the caller keeps while it
+    repeats them (the cache layers that the attention function reads hold it by a weak
+    reference)."""
     calls: dict = {}
-    new_tokens = 4
+    # A prefill's calls read the cache's step metadata, which a later step would rewrite.
+    new_tokens = 1 if prefill else 4
     cache = m3_hf_attention.M3PagedCache(models["sparse"].config, ids.shape[0], ids.shape[1] + new_tokens)
     for name, model in (("sparse", models["sparse"]), ("dense", models["dense"])):
         armed, forwards = [False], [0]
 
         def count(module, args, kwargs, armed=armed, forwards=forwards):
             forwards[0] += 1
-            armed[0] = forwards[0] == 3
+            armed[0] = forwards[0] == (1 if prefill else 3)
 
         hook = model.model.register_forward_pre_hook(count, with_kwargs=True)
         try:
-            with recorded_calls(calls, armed):
+            with recorded_calls(calls, armed, PREFILL_PIECE_OPS if prefill else ()):
                 timed_call(model, ids, mask, new_tokens, name == "dense", device, cache)
         finally:
             hook.remove()
     return calls, cache
 
 
-def time_pieces(calls: dict, reps: int, device) -> list[dict]:
-    """Host microseconds a call of each recorded piece: median of ``reps`` rounds."""
+def time_pieces(calls: dict, reps: int, device, lead_ms: float | None = None) -> list[dict]:
+    """Host microseconds a call of each recorded piece: median of ``reps`` rounds of
+    ``PIECE_CALLS`` calls; with ``lead_ms``, rounds of ``PREFILL_PIECE_CALLS`` calls issued
+    while a spin kernel of that length holds the GPU (a prefill's pieces: otherwise the
+    rounds would time the GPU's work)."""
     rows = []
+    cycles = common.spin_cycles(lead_ms) if lead_ms is not None and device.type == "cuda" else None
+    n = PREFILL_PIECE_CALLS if lead_ms is not None else PIECE_CALLS
     for label, (fn, a, k) in calls.items():
         fn(*a, **k)
         common.sync(device)
         rounds = []
         for _ in range(reps):
+            if cycles is not None:
+                torch.cuda._sleep(cycles)
             t = time.perf_counter()
-            for _ in range(PIECE_CALLS):
+            for _ in range(n):
                 fn(*a, **k)
-            rounds.append((time.perf_counter() - t) / PIECE_CALLS * 1e6)
+            rounds.append((time.perf_counter() - t) / n * 1e6)
             common.sync(device)
         rows.append({"piece": label, "us": statistics.median(rounds)})
     return rows
 
 
 def table(rows: list[dict], args) -> list[str]:
-    f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = [
         "| layers | context | config | step host ms | sparse layer ms | full layer ms | sparse layer - dense twin layer ms "
         "(range over repetitions) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        each = r["sparse_extra_each_ms"]
-        spread = f" ({min(each):.3f} to {max(each):.3f})" if each else ""
-        lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | {f(r['step_ms'])} | {f(r['sparse_layer_ms'])} | "
-                     f"{f(r['full_layer_ms'])} | {f(r['sparse_extra_ms'])}{spread} |")
+        lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | {_ms(r['step_ms'])} | {_ms(r['sparse_layer_ms'])} | "
+                     f"{_ms(r['full_layer_ms'])} | {_ms(r['sparse_extra_ms'])}{_spread(r['sparse_extra_each_ms'])} |")
     return lines
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = common.Log()
-    results = common.start_run("bench_host", args.out, "eager decode host time per step and layer", log)
+    what = "eager prefill host time per layer" if args.prefill else "eager decode host time per step and layer"
+    results = common.start_run("bench_host", args.out, what, log)
     log(f"layers {args.layers}, size {args.sizes}, new tokens {args.new_tokens}, reps {args.reps}")
     models, ids, mask, device = setup(args)
+    if args.prefill:
+        return prefill_main(args, log, results, models, ids, mask, device)
     rows = measure(args, models, ids, mask, device)
     pieces = []
     if args.pieces:
@@ -279,13 +425,7 @@ def main(argv=None) -> int:
         results.add(f"{args.layers} {args.sizes}", piece["us"] / 1e3, what=f"piece: {piece['piece']}",
                     sizes={"size": args.sizes}, calls=PIECE_CALLS, reps=args.reps)
     results.write()
-    if pieces:
-        log("| piece (one decode step: the first sparse layer, the first full layer; the dense twin's first layer) "
-            "| host us a call |")
-        log("|---|---|")
-        for piece in pieces:
-            log(f"| {piece['piece']} | {piece['us']:.1f} |")
-        log("")
+    log_pieces(log, pieces, "one decode step: the first sparse layer, the first full layer; the dense twin's first layer")
     for line in table(rows, args):
         log(line)
     return 0

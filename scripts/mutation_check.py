@@ -266,6 +266,13 @@ MUTATIONS = (
              "index (transformers 5.18 and later)",
     ),  # fmt: skip
     Mutation(
+        name="kvouter_plan_stale_queries", path="kvouter/pipeline_triton.py",
+        old="args = self.args.replace(q=q, k_cache=k_cache",
+        new="args = self.args.replace(k_cache=k_cache",
+        tests=("tests/kernels/test_plans.py::test_a_kvouter_plan_runs_like_the_op_and_keeps_no_call_tensors",),
+        what="a kept KV-outer plan attends the queries of the call it was made from, not the run's",
+    ),  # fmt: skip
+    Mutation(
         name="page_table_slice_short", path="hf/serving_layout.py",
         old="kv_tables[r0:r1] = kv", new="kv_tables[r0:r1 - 1] = kv[:-1]",
         tests=("tests/test_continuous_batching.py::test_page_tables_built_in_slices",),

@@ -31,6 +31,26 @@ def test_quick_run_writes_every_configuration(tmp_path):
         assert r["baseline"] == "dense-eager" and metrics["reps"] == 1
 
 
+def test_prefill_run_writes_every_configuration_and_the_prefill_pieces(tmp_path, capsys):
+    """--prefill: a row per configuration with the layers' host time, the pieces of the
+    prompt's forward (a prompt past the top-k, so the index branch and the sparse op run, as
+    plans), and cProfile's view with --profile."""
+    argv = ["--quick", "--prefill", "--pieces", "--profile", "--sizes", "256", "--out", str(tmp_path)]
+    assert bench_host.main(argv) == 0
+    rows = json.loads((tmp_path / "bench_host.json").read_text())
+    configs = [r for r in rows if not r["what"].startswith("piece: ")]
+    assert [r["what"] for r in configs] == list(bench_host.PREFILL_CONFIGS)
+    for r in configs:
+        sparse_layers = r["what"].startswith("m3_sparse")
+        assert isinstance(r["metrics"]["full_layer_ms"], float)
+        assert isinstance(r["ms"], float) == sparse_layers
+    pieces = {r["what"] for r in rows if r["what"].startswith("piece: ")}
+    assert pieces == {"piece: index_prep", "piece: index_topk (a plan's run)", "piece: sparse_attention (a plan's run)",
+                      "piece: dense_paged_attention (a plan's run, a full layer)", f"piece: {bench_host.M3_FUNCTION}",
+                      "piece: attention function (sdpa)"}
+    assert "Ordered by: cumulative time" in capsys.readouterr().out
+
+
 def test_pieces_are_recorded_from_a_decode_step_and_timed(tmp_path):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -48,12 +68,12 @@ def test_pieces_are_recorded_from_a_decode_step_and_timed(tmp_path):
     assert {cls: getattr(api, cls).run for cls in runs} == runs
 
 
-def test_the_plans_switch_restores_the_bound():
+def test_the_plans_switch_restores_the_setting():
     attention = bench_host.kernel_module("hf.attention")
-    bound = attention.PLANNED_MAX_QUERIES
+    assert attention.PLANNED is True
     with bench_host.planned(False):
-        assert attention.PLANNED_MAX_QUERIES == 0
-    assert attention.PLANNED_MAX_QUERIES == bound > 0
+        assert attention.PLANNED is False
+    assert attention.PLANNED is True
 
 
 def test_layer_clock_sums_layers_by_kind_and_restores_forward():

@@ -1,4 +1,4 @@
-"""Eager decode steps over an ``M3PagedCache`` run the layers' ops through plans kept on the
+"""Eager steps over an ``M3PagedCache``, prefill and decode, run the layers' ops through plans kept on the
 cache (``api.plan_index_topk`` / ``api.plan_sparse_attention`` for the sparse layers,
 ``api.plan_dense_paged_attention`` for the full-attention ones; made once per call shape and
 run by every layer of that kind at every step): the logits are the op calls' exactly, for a
@@ -82,18 +82,18 @@ def _planned_against_ops(model, plans_made, monkeypatch, options):
     width = ids.shape[1] + STEPS
     cache = M3PagedCache(model.config, ids.shape[0], width, page_size=16, **options)
     planned = _decode(model, cache, ids, mask, STEPS)
-    # One plan per op for every layer and step (the prefill calls the ops).
-    assert sorted(plans_made) == list(PLANS)
-    assert len(cache.plans) == len(PLANS)
+    # One plan per op for every layer: one set for the prefill, one for every decode step.
+    assert sorted(plans_made) == sorted(PLANS * 2)
+    assert len(cache.plans) == 2 * len(PLANS)
 
     cache.reset()
     again = _decode(model, cache, ids, mask, STEPS)
-    assert len(plans_made) == len(PLANS)  # a reset cache keeps its plans: the same tensors, updated in place
+    assert len(plans_made) == 2 * len(PLANS)  # a reset cache keeps its plans: the same tensors, updated in place
     torch.testing.assert_close(again, planned, atol=0, rtol=0)
 
-    monkeypatch.setattr(integration, "PLANNED_MAX_QUERIES", 0)  # every call through the ops
+    monkeypatch.setattr(integration, "PLANNED", False)  # every call through the ops
     direct = _decode(model, M3PagedCache(model.config, ids.shape[0], width, page_size=16, **options), ids, mask, STEPS)
-    assert len(plans_made) == len(PLANS)
+    assert len(plans_made) == 2 * len(PLANS)
     torch.testing.assert_close(planned, direct, atol=0, rtol=0)
 
 
@@ -110,10 +110,11 @@ def test_plans_follow_the_step_length(model, plans_made, monkeypatch):
             chunk = random_prompt(n, torch.Generator().manual_seed(10 + n))[None]
             got = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
             with monkeypatch.context() as ops_only:
-                ops_only.setattr(integration, "PLANNED_MAX_QUERIES", 0)
+                ops_only.setattr(integration, "PLANNED", False)
                 want = model(input_ids=chunk, past_key_values=reference, use_cache=True).logits
             torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert len(plans_made) == len(PLANS) * 3  # one set per step length (1, 3, 2)
+    # One set per prefill (both caches) and per step length (1, 3, 2).
+    assert len(plans_made) == len(PLANS) * 5
 
 
 def test_a_plan_is_remade_when_the_metadata_tensors_change(model):
@@ -126,10 +127,12 @@ def test_a_plan_is_remade_when_the_metadata_tensors_change(model):
     def make(metadata):
         tables, cu, kv_lens = metadata
         made.append(metadata)
-        return type("Plan", (), {"args": type("Args", (), dict(block_tables=tables, cu_seqlens_q=cu, used_kv_lens=kv_lens))})
+        args = type("Args", (), dict(block_tables=tables, cu_seqlens_q=cu, used_kv_lens=kv_lens))
+        plan = type("Plan", (), {"args": args, "release": lambda self, keep_scratch: self})
+        return plan()
 
     first = tuple(torch.zeros(2, dtype=torch.int32) for _ in range(3))
     other = (first[0], torch.zeros(2, dtype=torch.int32), first[2])
     for metadata in (first, first, other, other, first):
-        integration._plan(layer, ("key",), metadata, lambda m=metadata: make(m))
+        integration._plan(layer, ("key",), metadata, lambda m=metadata: make(m), 1)
     assert made == [first, other, first]

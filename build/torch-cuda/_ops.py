@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_be01be8a6c"
+NAMESPACE = "_m3_sparse_cuda_918688dbc8"
 
 ops = getattr(torch.ops, NAMESPACE)
 

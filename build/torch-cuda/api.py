@@ -25,8 +25,8 @@ import torch
 from . import dispatch
 # Raised where a GPU cannot run a call (its compute capability); re-exported by the package.
 from .dispatch import UnsupportedGPUError  # noqa: F401
-from .core.args import AttnArgs, IndexArgs, tensor_meta
-from .core.launch import compile_ahead, compile_ahead_on, rows_bucket
+from .core.args import AttnArgs, IndexArgs, released, tensor_meta
+from .core.launch import StreamBuffers, compile_ahead, compile_ahead_on, rows_bucket
 from .core.layout import chunk_varlen, token_positions, token_seq_ids
 from .core.validate import attention_args, check_key_rows, check_positive_int, check_tensor, index_args
 from .decode.attention import sparse_decode_attention_torch
@@ -43,7 +43,7 @@ from .kvouter.build import build_kvouter_index
 from .kvouter.combine import combine_torch, merge_scale
 from .kvouter.partials import partials_args, partials_torch
 from .kvouter.plan import DEFAULT_CONFIG as KVOUTER_DEFAULTS
-from .kvouter.plan import KVOuterConfig, default_num_programs, default_tile_q
+from .kvouter.plan import KVOuterConfig, default_tile_q
 
 _log = logging.getLogger("m3_sparse")
 
@@ -290,6 +290,24 @@ class _Plan:
         """The result of the call the plan was made from."""
         return self._call(*(getattr(self.args, name) for name in self.RUN_TENSORS))
 
+    def release(self, keep_scratch: bool = True) -> "_Plan":
+        """Let go of the planned call's run tensors (a prefill's queries and selections): the
+        plan and its launch keep stand-ins of their shapes, dtypes and devices, and every run
+        brings its own tensors. A plan kept across calls then holds no buffer of the call's
+        size. ``keep_scratch=False``: its launch's scratch buffers (split workspaces, arrival
+        counts) are made at every run, as an op call makes them, rather than kept between
+        runs. ``planned_call`` has nothing to run after this. Returns the plan."""
+        self._metas, self._ahead_key  # noqa: B018 - made from the real tensors first
+        self.args = released(self.args, self.RUN_TENSORS)
+        launch = getattr(self, "_launch", None)
+        if launch is not None:
+            launch.args = released(launch.args, self.RUN_TENSORS)
+            if not keep_scratch:
+                for buffers in vars(launch).values():
+                    if isinstance(buffers, StreamBuffers):
+                        buffers.stop_keeping()
+        return self
+
     @functools.cached_property
     def _ahead_key(self) -> tuple:
         return type(self).__name__, self.args.ahead_key
@@ -408,21 +426,15 @@ def _kvouter_torch(args: AttnArgs, cfg: KVOuterConfig, out=None, lse=None):
 
 
 def _kvouter_triton(args: AttnArgs, cfg: KVOuterConfig, out=None, lse=None):
-    from .kvouter.build_triton import build_kvouter_index_triton
-    from .kvouter.combine_triton import combine_triton
-    from .kvouter.schedule_triton import schedule_triton
+    return _kvouter_launch(args, cfg).run(args.q, args.k_cache, args.v_cache, args.selected, out, lse)
 
-    index = build_kvouter_index_triton(
-        args.selected, cu_seqlens_q=args.cu_seqlens_q, max_blocks=args.max_blocks, batch_size=args.batch
-    )
-    sched = schedule_triton(
-        index, tile_q=default_tile_q(args.group, cfg), num_programs=default_num_programs(args.q.device, cfg)
-    )
-    po, pm, pl = _partials_gpu(args, index, sched, cfg)
-    return combine_triton(
-        po, pm, pl, index.slot_of, out_dtype=args.out_dtype, return_lse=args.return_lse, out=out, lse=lse,
-        o_scale=merge_scale(po, args.scales),
-    )
+
+def _kvouter_launch(args: AttnArgs, cfg: KVOuterConfig):
+    """KV-outer's launches for a call the kernels run in one piece (no slices)."""
+    from .kvouter.pipeline_triton import KVOuterLaunch
+
+    capacity = args.selected.shape[0] * args.selected.shape[1] * args.selected.shape[2]
+    return KVOuterLaunch(args, cfg, dispatch.partials_engine(args, cfg, default_tile_q(args.group, cfg), capacity))
 
 
 def _partials_gpu(args: AttnArgs, index, sched, cfg: KVOuterConfig):
@@ -614,11 +626,12 @@ class PlannedAttention(_Plan):
 
     def __init__(self, args: AttnArgs):
         self.args = args
-        # The decode or query-outer kernel's launch where _sparse runs it, else the call goes to _sparse.
+        # The decode, query-outer or KV-outer kernels' launch where _sparse runs it, else the
+        # call goes to _sparse (the torch code, a mixed step, a KV-outer call in slices).
         self._launch = (
             _decode_launch(args, DECODE_DEFAULTS) if dispatch.runs_decode(args)
             else _qouter_launch(args, DENSE_DEFAULTS) if dispatch.runs_qouter(args)
-            else None
+            else _kvouter_plan_launch(args)
         )
 
     def run(self, q, k_cache, v_cache, selected) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -630,6 +643,16 @@ class PlannedAttention(_Plan):
         if self._launch is not None:
             return self._launch.run(q, k_cache, v_cache, selected)
         return _sparse(self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected))
+
+
+def _kvouter_plan_launch(args: AttnArgs):
+    """KV-outer's launches where ``_sparse`` would run this call on them in one piece; None for
+    a mixed step, the torch code or a call in workspace slices."""
+    if dispatch.mixed_decode_rows(args) or dispatch.kvouter_slices(args, KVOUTER_DEFAULTS.workspace_bytes) < args.num_tokens:
+        return None
+    if not dispatch.use_triton(args.q, dispatch.kvouter_unsupported(args), KVOUTER_DEFAULTS.impl):
+        return None
+    return _kvouter_launch(args, KVOUTER_DEFAULTS)
 
 
 # --------------------------------------------------------------------------- dense

@@ -67,6 +67,58 @@ def test_sparse_attention_plan_runs_like_the_op(impl, seqs, dtype):
         assert torch.equal(out, want), f"step {step}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kvouter_plan_runs_like_the_op_and_keeps_no_call_tensors(impl, monkeypatch, dtype):
+    """Past the decode bound a plan keeps KV-outer's launches (``KVOuterLaunch``, the Triton
+    stages) and runs them on fresh tensors as the op runs them. Released (as the integration
+    keeps plans), it holds one-element stand-ins of the call's tensors and answers the same."""
+    from m3_sparse import dispatch
+
+    # A prefill past the decode bound, kept small for the interpreter.
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES", 4)
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES_TL", 4)
+    g = gen(17)
+    batch = make_batch(g, [(61, 29)], PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, block_size=BLOCK, return_lse=True)
+    q, k, v, sel = _attention_call(g, batch, dtype)
+    plan = m3_sparse.plan_sparse_attention(q, k, v, sel, tables, **meta)
+    launch = type(plan._launch).__name__ if plan._launch is not None else None
+    assert launch == ("KVOuterLaunch" if impl == "triton" else None)
+    for step in range(3):
+        if step == 1:
+            assert plan.release() is plan
+            kept = (plan.args.q, plan.args.k_cache, plan.args.v_cache, plan.args.selected)
+            if plan._launch is not None:
+                kept += (plan._launch.args.q, plan._launch.args.selected)
+            assert all(t.untyped_storage().nbytes() <= t.element_size() for t in kept)
+            assert plan.args.q.shape == q.shape and plan.args.block_tables is tables
+        q, k, v, sel = _attention_call(g, batch, dtype)
+        out, lse = plan.run(q, k, v, sel)
+        want, want_lse = m3_sparse.sparse_attention(q, k, v, sel, tables, **meta)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), f"step {step}"
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "made_per_run"])
+def test_a_released_plan_keeps_its_scratch_only_when_asked(keep):
+    """A decode step's plan keeps its split workspaces between runs; a prefill's
+    (``keep_scratch=False``) makes them at every run, so none outlives the run; both answer
+    as the op does."""
+    g = gen(18)
+    batch = make_batch(g, SEQS["few_tokens"], PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    meta = dict(cu_seqlens_q=cu, used_kv_lens=kv_lens, max_seqlen_q=3)
+    config = DenseConfig(block_n=16, num_splits=2, impl="triton")
+    q, k, v, _ = _attention_call(g, batch, torch.float32)
+    plan = m3_sparse.plan_dense_paged_attention(q, k, v, tables, config=config, **meta).release(keep_scratch=keep)
+    for _ in range(2):
+        q, k, v, _ = _attention_call(g, batch, torch.float32)
+        out, _ = plan.run(q, k, v)
+        want, _ = m3_sparse.dense_paged_attention(q, k, v, tables, config=config, **meta)
+        assert torch.equal(out, want)
+        assert bool(plan._launch.scratch._sets) == keep
+
+
 def _index_call(g, batch, fp8: bool):
     index_q = randn(g, batch.num_tokens, HKV, D)
     cache = batch.index_cache(g, D)

@@ -168,6 +168,18 @@ def is_tensor_scale(index_k_scale) -> bool:
     return isinstance(index_k_scale, torch.Tensor) and index_k_scale.dim() <= 1 and index_k_scale.numel() == 1
 
 
+def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor of ``t``'s shape, dtype and device that holds one element (zero strides):
+    what a kept plan remembers of a call's tensor."""
+    return None if t is None else t.new_empty(()).expand(t.shape)
+
+
+def released(args, names: tuple[str, ...]):
+    """``args`` (an :class:`AttnArgs` or :class:`IndexArgs`) with the tensors ``names`` as
+    stand-ins (:func:`stand_in`)."""
+    return dataclasses.replace(args, **{name: stand_in(getattr(args, name)) for name in names})
+
+
 def tensor_meta(t: torch.Tensor | None) -> tuple | None:
     """What a plan fixes of a tensor (``api.plan_*``): shape, strides, dtype and device
     (None for None)."""

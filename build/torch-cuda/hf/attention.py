@@ -46,12 +46,17 @@ from .impl import ATTN_IMPLEMENTATION, uses_m3_sparse
 from .mask import create_causal_mask, m3_sparse_mask, step_mask
 
 EPHEMERAL_PAGE_SIZE = 64
-# Eager steps of at most this many new tokens per sequence (decode) run the attention ops
-# (and the index top-k) through plans kept on the cache (api.plan_*): checked and set up once
-# per call shape, then run by every layer of that kind at every step. A plan keeps its
-# call's tensors, so longer steps (prefill) call the ops directly.
-PLANNED_MAX_QUERIES = 16
+# Eager steps over a paged cache, decode and prefill, run the attention ops (and the index
+# top-k) through plans kept on the cache (api.plan_*): checked, dispatched and set up once per
+# call shape, then run by every layer of that kind (a prefill's sparse layers, a decode step's
+# at every step). Kept plans hold stand-ins of their call's tensors (``release``), never a
+# prefill's buffers. False calls the ops directly (benchmarks compare both).
+PLANNED = True
 MAX_PLANS = 32
+# Plans of steps of at most this many new tokens per sequence (decode) keep their launches'
+# scratch buffers between runs; longer steps' plans (prefill, whose shapes later steps rarely
+# share) make them at each run, so no prefill's workspace outlives its forward pass.
+SCRATCH_KEPT_MAX_QUERIES = 16
 
 # A second copy of this module (another kernel build loaded side by side) must not wrap
 # the patched functions again: the originals are kept on the patches.
@@ -138,10 +143,11 @@ def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make):
-    """The plan under ``key`` on ``layer``'s cache, made by ``make()`` when there is none or
-    when its batch metadata are not this call's ``metadata`` tensors (block tables,
-    cu_seqlens_q, kv lengths: a step of another length, another device's copies)."""
+def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make, q_len: int):
+    """The plan under ``key`` on ``layer``'s cache, made by ``make()`` (and released, see
+    ``SCRATCH_KEPT_MAX_QUERIES``) when there is none or when its batch metadata are not this
+    call's ``metadata`` tensors (block tables, cu_seqlens_q, kv lengths: a step of another
+    length, another device's copies); ``q_len``: the step's new tokens per sequence."""
     plans = layer.cache.plans
     plan = plans.get(key)
     if plan is not None:
@@ -151,20 +157,20 @@ def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make):
             return plan
     if len(plans) >= MAX_PLANS:
         plans.clear()
-    plan = plans[key] = make()
+    plan = plans[key] = make().release(keep_scratch=q_len <= SCRATCH_KEPT_MAX_QUERIES)
     return plan
 
 
-def _run_plan(layer: M3PagedLayer, op: str, tensors: tuple, options: tuple, metadata: tuple, make):
+def _run_plan(layer: M3PagedLayer, op: str, tensors: tuple, options: tuple, metadata: tuple, make, q_len: int):
     """``plan.run(*tensors)`` of the plan of ``op`` for tensors like these (their shapes,
     strides, dtypes and devices) and these ``options``, kept on the layer's cache (:func:`_plan`)."""
     key = (op, *map(tensor_meta, tensors), *options)
-    return _plan(layer, key, metadata, make).run(*tensors)
+    return _plan(layer, key, metadata, make, q_len).run(*tensors)
 
 
-def _planned(layer: M3PagedLayer | None, q_len: int) -> bool:
-    """Whether this call runs through a plan: an eager decode step over a paged cache."""
-    return layer is not None and q_len <= PLANNED_MAX_QUERIES and not torch.compiler.is_compiling() and not _capturing()
+def _planned(layer: M3PagedLayer | None) -> bool:
+    """Whether this call runs through a plan: an eager step over a paged cache."""
+    return PLANNED and layer is not None and not torch.compiler.is_compiling() and not _capturing()
 
 
 def _first_blocks(batch, heads, q_len, topk, slots, block_size, device) -> torch.Tensor:
@@ -249,11 +255,11 @@ def indexer_forward(self, hidden_states, position_embeddings, cache, position_id
         max_seqlen_q=q_len,
         **fp8_args,
     )
-    if _planned(layer, q_len):
+    if _planned(layer):
         selected = _run_plan(
             layer, "index_topk", (topk_args["index_q"], pool, fp8_args.get("index_k_scale")),
             (self.topk_blocks, self.block_size, self.local_blocks, q_len, bool(fp8_args.get("fp8_dot"))),
-            (tables, cu, kv_lens), lambda: api.plan_index_topk(**topk_args),
+            (tables, cu, kv_lens), lambda: api.plan_index_topk(**topk_args), q_len,
         )
     else:
         selected = _op("index_topk", **topk_args)
@@ -336,18 +342,18 @@ def m3_sparse_attention(
     ):
         bi = block_indices.permute(0, 2, 1, 3).reshape(batch * q_len, block_indices.shape[1], -1)
         sparse = dict(paged, selected=bi, max_seqlen_q=q_len, block_size=block_size, **partials)
-        if _planned(layer, q_len):
+        if _planned(layer):
             out, _ = _run_plan(
                 layer, "sparse_attention", (q, k_pool, v_pool, bi),
                 (scaling, causal, block_size, partial_dtype, tuple(fp8.values())),
-                (tables, cu, kv_lens), lambda: api.plan_sparse_attention(**sparse),
+                (tables, cu, kv_lens), lambda: api.plan_sparse_attention(**sparse), q_len,
             )
         else:
             out, _ = _op("sparse_attention", **sparse)
-    elif _planned(layer, q_len):
+    elif _planned(layer):
         out, _ = _run_plan(
             layer, "dense_paged_attention", (q, k_pool, v_pool), (scaling, causal, tuple(fp8.values())),
-            (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged),
+            (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged), q_len,
         )
     else:
         out, _ = _op("dense_paged_attention", **paged)

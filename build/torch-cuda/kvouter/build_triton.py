@@ -26,6 +26,9 @@ shapes on the host; the chunk -> sequence map is computed inside the kernels fro
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 import torch
@@ -281,6 +284,87 @@ def chunk_tokens_for(num_tokens: int, batch: int, hkv: int, topk: int, max_block
     return chunk
 
 
+@dataclass(frozen=True)
+class BuildLaunch:
+    """The index build of one call shape, worked out once (host arithmetic only): a prefill
+    plan runs it in every sparse layer. ``run`` allocates the index and issues the passes."""
+
+    num_tokens: int
+    hkv: int
+    topk: int
+    batch: int
+    max_blocks: int
+    chunk: int  # tokens per chunk, a power of two
+
+    @property
+    def num_segments(self) -> int:
+        return self.hkv * self.batch * self.max_blocks
+
+    @property
+    def capacity(self) -> int:
+        return self.num_tokens * self.hkv * self.topk
+
+    @functools.cached_property
+    def _settings(self) -> tuple:
+        tk = next_pow2(self.topk)
+        max_chunks = -(-self.num_tokens // self.chunk) + self.batch  # each sequence wastes at most one partial chunk
+        blk = min(SCAN_BLOCKS, next_pow2(self.max_blocks))
+        common = dict(C=self.chunk, TK=tk, BB=max(2, next_pow2(self.batch)), UNROLL=tk <= UNROLL_TOPK, num_warps=4)
+        rank = dict(common, KEY64=self.max_blocks * self.chunk * tk >= KEY32_LIMIT)
+        scan = dict(C=self.chunk, BB=common["BB"], BLK=blk, U=SCAN_CHUNKS, num_warps=4)
+        grids = ((max_chunks, self.hkv), (triton.cdiv(self.max_blocks, blk), self.hkv, self.batch))
+        return max_chunks, grids, rank, scan, common
+
+    def run(self, selected: torch.Tensor, cu_seqlens_q: torch.Tensor) -> KVOuterIndex:
+        """The index of ``selected`` [Tq, Hkv, topk] (this launch's shape) over the sequences
+        of ``cu_seqlens_q`` (int32 or int64; not checked here)."""
+        hkv, topk, max_blocks, batch = self.hkv, self.topk, self.max_blocks, self.batch
+        num_segments, cap, device = self.num_segments, self.capacity, selected.device
+        # Rows 0-2: entry token / rank / segment, row 3: slot_of; -1 wherever nothing lands.
+        arrays = torch.full((4, cap), -1, dtype=torch.int32, device=device)
+        seg_offsets = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
+        index = KVOuterIndex(
+            seg_offsets=seg_offsets, entry_token=arrays[0], entry_rank=arrays[1], entry_segment=arrays[2],
+            slot_of=arrays[3].view(self.num_tokens, hkv, topk), num_kv_heads=hkv, max_blocks=max_blocks,
+            num_global_blocks=batch * max_blocks,
+        )
+        if cap == 0 or batch == 0:
+            return index
+        # int32 offsets (the entry count is checked below 2^31): every loop bound is one type.
+        (cu,) = contiguous(cu_seqlens_q.to(torch.int32))
+        max_chunks, (rank_grid, scan_grid), rank, scan, common = self._settings
+        counts = torch.zeros(max_chunks * hkv * max_blocks, dtype=torch.int32, device=device)
+        totals = torch.empty(num_segments, dtype=torch.int32, device=device)
+        strides = selected.stride()
+        launch_kernel(
+            _chunk_rank_kernel, rank_grid, selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides,
+            **rank,
+        )
+        launch_kernel(_chunk_scan_kernel, scan_grid, cu, counts, totals, batch, hkv, max_blocks, **scan)
+        torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
+        launch_kernel(
+            _scatter_kernel, rank_grid,
+            selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
+            batch, hkv, topk, max_blocks, *strides, **common,
+        )  # fmt: skip
+        return index
+
+
+def build_launch(num_tokens: int, hkv: int, topk: int, batch: int, max_blocks: int, chunk_tokens: int | None = None):
+    """The :class:`BuildLaunch` of selections ``[num_tokens, hkv, topk]`` over ``batch``
+    sequences of ``max_blocks`` blocks; ``chunk_tokens`` (a power of two) overrides the
+    chunk length. Raises where int32 entry ids cannot number the call."""
+    num_segments = hkv * batch * max_blocks
+    cap = num_tokens * hkv * topk
+    if max(cap, num_segments + 1, num_tokens * topk) >= 2**31:
+        raise ValueError(
+            f"selected {(num_tokens, hkv, topk)} with {num_segments} segments: int32 entry ids need "
+            "Tq * Hkv * topk and the segment count below 2**31"
+        )
+    chunk = chunk_tokens or chunk_tokens_for(num_tokens, batch, hkv, topk, max_blocks)
+    return BuildLaunch(num_tokens, hkv, topk, batch, max_blocks, chunk)
+
+
 def build_kvouter_index_triton(
     selected: torch.Tensor,
     *,
@@ -296,64 +380,13 @@ def build_kvouter_index_triton(
     overrides the chunk length.
     """
     batch = validate_build(selected, cu_seqlens_q, max_blocks, batch_size)
-    num_tokens, hkv, topk = selected.shape
     if batch != cu_seqlens_q.shape[0] - 1:
         raise ValueError(f"batch_size={batch}: expected cu_seqlens_q.shape[0] - 1 = {cu_seqlens_q.shape[0] - 1}")
     if chunk_tokens is not None:
         check_positive_int("chunk_tokens", chunk_tokens)
         if chunk_tokens & (chunk_tokens - 1):
             raise ValueError(f"chunk_tokens: expected a power of two, got {chunk_tokens}")
-    nbg = batch * max_blocks
-    num_segments = hkv * nbg
-    cap = num_tokens * hkv * topk
-    if max(cap, num_segments + 1, num_tokens * topk) >= 2**31:
-        raise ValueError(
-            f"selected {tuple(selected.shape)} with {num_segments} segments: int32 entry ids need "
-            "Tq * Hkv * topk and the segment count below 2**31"
-        )
-    device = selected.device
-    # Rows 0-2: entry token / rank / segment, row 3: slot_of; -1 wherever nothing lands.
-    arrays = torch.full((4, cap), -1, dtype=torch.int32, device=device)
-    seg_offsets = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
-    index = KVOuterIndex(
-        seg_offsets=seg_offsets,
-        entry_token=arrays[0],
-        entry_rank=arrays[1],
-        entry_segment=arrays[2],
-        slot_of=arrays[3].view(num_tokens, hkv, topk),
-        num_kv_heads=hkv,
-        max_blocks=max_blocks,
-        num_global_blocks=nbg,
-    )
-    if cap == 0 or batch == 0:
-        return index
-    # int32 offsets (the entry count is checked below 2^31): every loop bound is one type.
-    (cu,) = contiguous(cu_seqlens_q.to(torch.int32))
-    chunk = chunk_tokens or chunk_tokens_for(num_tokens, batch, hkv, topk, max_blocks)
-    max_chunks = -(-num_tokens // chunk) + batch  # each sequence wastes at most one partial chunk
-    counts = torch.zeros(max_chunks * hkv * max_blocks, dtype=torch.int32, device=device)
-    totals = torch.empty(num_segments, dtype=torch.int32, device=device)
-    tk = next_pow2(topk)
-    bb = max(2, next_pow2(batch))
-    strides = selected.stride()
-    unroll = tk <= UNROLL_TOPK
-    launch_kernel(
-        _chunk_rank_kernel, (max_chunks, hkv),
-        selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb,
-        UNROLL=unroll, KEY64=max_blocks * chunk * tk >= KEY32_LIMIT, num_warps=4,
-    )  # fmt: skip
-    blk = min(SCAN_BLOCKS, next_pow2(max_blocks))
-    launch_kernel(
-        _chunk_scan_kernel, (triton.cdiv(max_blocks, blk), hkv, batch),
-        cu, counts, totals, batch, hkv, max_blocks, C=chunk, BB=bb, BLK=blk, U=SCAN_CHUNKS, num_warps=4
-    )
-    torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
-    launch_kernel(
-        _scatter_kernel, (max_chunks, hkv),
-        selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
-        batch, hkv, topk, max_blocks, *strides, C=chunk, TK=tk, BB=bb, UNROLL=unroll, num_warps=4,
-    )  # fmt: skip
-    return index
+    return build_launch(*selected.shape, batch, max_blocks, chunk_tokens).run(selected, cu_seqlens_q)
 
 
-__all__ = ["build_kvouter_index_triton", "chunk_tokens_for"]
+__all__ = ["BuildLaunch", "build_kvouter_index_triton", "build_launch", "chunk_tokens_for"]

@@ -157,8 +157,18 @@ class StreamBuffers:
     def __init__(self, make):
         self._make = make
         self._sets: dict = {}
+        self._keep = True
+
+    def stop_keeping(self) -> None:
+        """From now on make a fresh set at every ``get``, as a dropped launch would: for a
+        kept plan of a call that later calls rarely share (a prefill's), whose buffers would
+        otherwise stay allocated."""
+        self._keep = False
+        self._sets.clear()
 
     def get(self, device: torch.device):
+        if not self._keep:
+            return self._make(device)
         key = _stream_handle(device)
         found = self._sets.get(key)
         if found is None:

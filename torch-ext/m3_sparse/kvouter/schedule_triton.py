@@ -11,6 +11,8 @@ host-sized ``max_tiles``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 import torch
@@ -67,48 +69,50 @@ def _emit_tiles_kernel(
         tl.store(num_tiles_ptr, num_tiles.to(tl.int32))
 
 
+@dataclass(frozen=True)
+class ScheduleLaunch:
+    """The scheduler's launch for an index of ``capacity`` entries over ``num_segments``
+    segments, worked out once (host arithmetic only)."""
+
+    capacity: int
+    num_segments: int
+    tile_q: int
+    num_programs: int
+
+    @property
+    def max_tiles(self) -> int:
+        return max(1, max_tiles_for(self.capacity, self.num_segments, self.tile_q))
+
+    def run(self, index: KVOuterIndex) -> Schedule:
+        """The schedule of ``index`` (of this launch's sizes)."""
+        device, offs, max_tiles = index.seg_offsets.device, index.seg_offsets, self.max_tiles
+        tile_q, num_programs, num_segments = self.tile_q, self.num_programs, self.num_segments
+        # Tiles per segment, then their prefix (tile_base[s] = first tile of segment s).
+        tile_base = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
+        tiles = torch.div(offs[1:] - offs[:-1] + (tile_q - 1), tile_q, rounding_mode="floor")
+        torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_base[1:])
+        tile_arrays = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
+        num_tiles = torch.empty(1, dtype=torch.int32, device=device)
+        program_tiles = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
+        launch_kernel(
+            _emit_tiles_kernel, (num_segments + triton.cdiv(max_tiles, EMIT_TILES),),
+            offs, tile_base, tile_arrays[0], tile_arrays[1], tile_arrays[2], num_tiles, program_tiles,
+            num_segments, max_tiles, tile_q, num_programs,
+            BT=EMIT_TILES, BP=next_pow2(num_programs + 1), num_warps=4,
+        )  # fmt: skip
+        return Schedule(
+            tile_segment=tile_arrays[0], tile_start=tile_arrays[1], tile_end=tile_arrays[2], num_tiles=num_tiles,
+            program_tiles=program_tiles, tile_q=tile_q,
+        )
+
+
 def schedule_triton(index: KVOuterIndex, *, tile_q: int, num_programs: int) -> Schedule:
     """:func:`schedule.schedule` with the tiles written by one Triton launch; same arrays."""
     if not isinstance(index, KVOuterIndex):
         raise TypeError(f"index: expected a KVOuterIndex from build_kvouter_index, got {type(index).__name__}")
     check_positive_int("tile_q", tile_q)
     check_positive_int("num_programs", num_programs)
-    device = index.seg_offsets.device
-    max_tiles = max(1, max_tiles_for(index.capacity, index.num_segments, tile_q))
-    offs = index.seg_offsets
-    # Tiles per segment, then their prefix (tile_base[s] = first tile of segment s).
-    tile_base = torch.zeros(index.num_segments + 1, dtype=torch.int32, device=device)
-    tiles = torch.div(offs[1:] - offs[:-1] + (tile_q - 1), tile_q, rounding_mode="floor")
-    torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_base[1:])
-    tile_arrays = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
-    num_tiles = torch.empty(1, dtype=torch.int32, device=device)
-    program_tiles = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
-    grid = (index.num_segments + triton.cdiv(max_tiles, EMIT_TILES),)
-    launch_kernel(
-        _emit_tiles_kernel, grid,
-        offs,
-        tile_base,
-        tile_arrays[0],
-        tile_arrays[1],
-        tile_arrays[2],
-        num_tiles,
-        program_tiles,
-        index.num_segments,
-        max_tiles,
-        tile_q,
-        num_programs,
-        BT=EMIT_TILES,
-        BP=next_pow2(num_programs + 1),
-        num_warps=4,
-    )
-    return Schedule(
-        tile_segment=tile_arrays[0],
-        tile_start=tile_arrays[1],
-        tile_end=tile_arrays[2],
-        num_tiles=num_tiles,
-        program_tiles=program_tiles,
-        tile_q=tile_q,
-    )
+    return ScheduleLaunch(index.capacity, index.num_segments, tile_q, num_programs).run(index)
 
 
-__all__ = ["schedule_triton"]
+__all__ = ["ScheduleLaunch", "schedule_triton"]
