@@ -47,7 +47,10 @@ mask, so the manager captures no graphs for it and nothing of it compiles per sh
 
 Steps: every run also records each step of the manager's loop (``step_log``): the query
 tokens it scheduled, whether it took the decode fast path, and the host time of scheduling,
-launching and updating; the JSON row holds their totals (``steps``) and the log a line.
+launching and updating; the JSON row holds their totals (``steps``) and the log a line. For the
+runs of consecutive fast-path (decode-only) steps it also holds their medians: a step's host ms
+(the three methods) and the wall ms from its start to the next step's (``decode_host_ms_p50``,
+``decode_wall_ms_p50``), where a wall time well above the host's is a step waiting for the GPU.
 
 Check: with ``--check`` (on in ``--quick``; ``--check m3_sparse`` for one configuration)
 every request's tokens are compared with its own single-request ``generate()`` on the same
@@ -308,7 +311,7 @@ def step_log():
                 if out:
                     io = _host_io(processor)
                     rows.append({"q_tokens": int(io.num_q_tokens), "requests": int(io.num_request_in_batch),
-                                 "decode_fast_path": bool(io.use_block_table), "prepare_ms": ms})
+                                 "decode_fast_path": bool(io.use_block_table), "prepare_ms": ms, "start": start})
             elif rows:
                 rows[-1][f"{name.strip('_')}_ms"] = ms
             return out
@@ -332,6 +335,12 @@ def step_summary(rows: list[dict]) -> dict:
            "mixed_q_tokens_mean": sum(r["q_tokens"] for r in mixed) / len(mixed) if mixed else None}
     for key in ("prepare_ms", "generation_step_ms", "update_batch_ms"):
         out[key] = sum(r.get(key, 0.0) for r in rows)
+    # Consecutive decode-only steps: each one's host ms, and the wall ms to the next one's start.
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a["decode_fast_path"] and b["decode_fast_path"]]
+    host = [sum(a.get(k, 0.0) for k in ("prepare_ms", "generation_step_ms", "update_batch_ms")) for a, _ in pairs]
+    wall = [(b["start"] - a["start"]) * 1e3 for a, b in pairs]
+    out["decode_host_ms_p50"] = float(np.median(host)) if host else None
+    out["decode_wall_ms_p50"] = float(np.median(wall)) if wall else None
     return out
 
 
@@ -709,7 +718,9 @@ def log_run(run: Run) -> None:
         log(f"  steps {st['steps']} ({st['decode_steps']} on the decode fast path), {st['q_tokens']} query tokens "
             f"({fmt(st['mixed_q_tokens_mean'], 0)} a step off the fast path); "
             f"host ms: prepare {fmt(st['prepare_ms'], 0)}, "
-            f"step {fmt(st['generation_step_ms'], 0)}, update {fmt(st['update_batch_ms'], 0)}")
+            f"step {fmt(st['generation_step_ms'], 0)}, update {fmt(st['update_batch_ms'], 0)}; "
+            f"a decode-only step: host {fmt(st['decode_host_ms_p50'], 2)} ms, wall {fmt(st['decode_wall_ms_p50'], 2)} ms "
+            "(medians)")
 
 
 def main(argv=None) -> int:

@@ -127,7 +127,7 @@ def greedy(model, input_ids, attention_mask=None, new_tokens=30, **kwargs):
 def spy_op_calls(api, monkeypatch, record) -> None:
     """Call ``record(name, kwargs)`` for every ``index_topk``, ``sparse_attention`` and
     ``dense_paged_attention`` call of ``api`` (a loaded kernel's), whether the integration
-    calls the op or runs a plan of it (eager decode steps): ``kwargs`` then holds the run's
+    calls the op or runs a plan of it (eager steps): ``kwargs`` then holds the run's
     tensors and the plan's options."""
     for name in ("index_topk", "sparse_attention", "dense_paged_attention"):
         real = getattr(api, name)

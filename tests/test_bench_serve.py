@@ -55,6 +55,9 @@ def test_quick_run_serves_and_checks_tokens(tmp_path):
         assert steps["steps"] >= sizes["new_tokens"] and 0 <= steps["decode_steps"] < steps["steps"]
         assert steps["mixed_q_tokens_mean"] > 1
         assert min(steps[k] for k in ("prepare_ms", "generation_step_ms", "update_batch_ms")) > 0
+        if steps["decode_host_ms_p50"] is not None:  # runs of decode-only steps (the fast path)
+            # The wall time from one step's start to the next's covers the step's host time.
+            assert 0 < steps["decode_host_ms_p50"] <= steps["decode_wall_ms_p50"], steps
     # The names the manager ran them under: paged|m3_sparse and paged|sdpa up to transformers 5.18.
     served = import_bench_serve().SERVING.compat.cb_attn_implementation
     assert [r["metrics"]["attn"] for r in rows] == [served("m3_sparse")] * 2 + [served("sdpa")] * 2
@@ -89,6 +92,7 @@ def test_m3_shapes_with_cuda_graphs(tmp_path):
     m = row["metrics"]
     assert m["status"] == "ok" and m["failed"] == [] and m["check"]["tolerance"] > 0, m
     assert m["steps"]["decode_steps"] > 0, m["steps"]  # the block-table path ran
+    assert 0 < m["steps"]["decode_host_ms_p50"] <= m["steps"]["decode_wall_ms_p50"], m["steps"]
     assert m["output_tokens"] == 6 * 24
 
 
@@ -225,3 +229,20 @@ def test_scheduler_flag_reaches_the_manager_config():
         assert (config.scheduler_type, config.max_batch_tokens) == (want, 512)
     with pytest.raises(SystemExit):
         bench_serve.parse_args(base + ["--scheduler", "lifo"])
+
+
+def test_step_summary_gives_a_decode_steps_host_and_wall_time():
+    """Runs of decode-only steps: the median of each step's host ms (its three methods) and of
+    the wall ms from its start to the next step's; other steps count in neither."""
+    def row(fast, host, start_s):
+        return {"q_tokens": 2 if fast else 64, "requests": 2, "decode_fast_path": fast, "prepare_ms": host / 2,
+                "generation_step_ms": host / 4, "update_batch_ms": host / 4, "start": start_s}
+
+    rows = [row(False, 9.0, 0.0), row(True, 1.0, 0.010), row(True, 2.0, 0.014), row(True, 1.5, 0.020),
+            row(False, 7.0, 0.023), row(True, 3.0, 0.040)]
+    summary = import_bench_serve().step_summary(rows)
+    # Decode pairs: (1, 2) host 1.0 wall 4 ms, (2, 3) host 2.0 wall 6 ms; step 3 is followed by a mixed step.
+    assert summary["decode_host_ms_p50"] == pytest.approx(1.5)
+    assert summary["decode_wall_ms_p50"] == pytest.approx(5.0)
+    assert summary["steps"] == 6 and summary["decode_steps"] == 4
+    assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_p50"] is None

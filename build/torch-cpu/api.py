@@ -438,11 +438,9 @@ def _kvouter_launch(args: AttnArgs, cfg: KVOuterConfig):
 
 
 def _partials_gpu(args: AttnArgs, index, sched, cfg: KVOuterConfig):
-    from .kvouter import partials_gluon_sm90, partials_triton
+    from .kvouter.pipeline_triton import run_partials
 
-    if dispatch.partials_engine(args, cfg, sched.tile_q, index.capacity) == "tma":
-        return partials_gluon_sm90.kvouter_partials_tma(args, index, sched)
-    return partials_triton.kvouter_partials_tl(args, index, sched, cfg)
+    return run_partials(args, index, sched, cfg, dispatch.partials_engine(args, cfg, sched.tile_q, index.capacity))
 
 
 def kvouter_partials_gpu(

@@ -108,12 +108,14 @@ def sparse_branches(monkeypatch) -> list[str]:
 
 def partial_dtypes(monkeypatch) -> list[torch.dtype]:
     """The dtype of the partials that each later KV-outer call (or slice of one) stores, seen
-    at its partials stage, the torch one or the kernels'."""
+    at its partials stage, the torch one (``api.partials_torch``) or the kernels'
+    (``kvouter.pipeline_triton.run_partials``)."""
     from m3_sparse import api
+    from m3_sparse.kvouter import pipeline_triton
 
     dtypes = []
-    for name in ("partials_torch", "_partials_gpu"):
-        spy(monkeypatch, api, name, lambda partials: dtypes.append(partials[0].dtype))
+    for owner, name in ((api, "partials_torch"), (pipeline_triton, "run_partials")):
+        spy(monkeypatch, owner, name, lambda partials: dtypes.append(partials[0].dtype))
     return dtypes
 
 

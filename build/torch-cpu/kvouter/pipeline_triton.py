@@ -46,14 +46,19 @@ class KVOuterLaunch:
         args = self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected)
         index = self.build.run(selected, args.cu_seqlens_q)
         sched = self.schedule.run(index)
-        if self.engine == "tma":
-            parts = partials_gluon_sm90.kvouter_partials_tma(args, index, sched)
-        else:
-            parts = partials_triton.kvouter_partials_tl(args, index, sched, self.cfg)
+        parts = run_partials(args, index, sched, self.cfg, self.engine)
         return combine_triton(
             *parts, index.slot_of, out_dtype=args.out_dtype, return_lse=args.return_lse, out=out, lse=lse,
             o_scale=merge_scale(parts[0], args.scales),
         )
 
 
-__all__ = ["KVOuterLaunch"]
+def run_partials(args: AttnArgs, index, sched, cfg: KVOuterConfig, engine: str) -> tuple[torch.Tensor, ...]:
+    """The partials stage of a checked call over ``index`` and ``sched`` on ``engine``'s kernel
+    (``partial_o``, ``partial_m``, ``partial_l``)."""
+    if engine == "tma":
+        return partials_gluon_sm90.kvouter_partials_tma(args, index, sched)
+    return partials_triton.kvouter_partials_tl(args, index, sched, cfg)
+
+
+__all__ = ["KVOuterLaunch", "run_partials"]
