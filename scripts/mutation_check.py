@@ -273,6 +273,12 @@ MUTATIONS = (
         what="a kept KV-outer plan attends the queries of the call it was made from, not the run's",
     ),  # fmt: skip
     Mutation(
+        name="prefill_plan_keeps_scratch", path="core/launch.py",
+        old="self._keep = False", new="self._keep = True",
+        tests=("tests/kernels/test_plans.py::test_a_released_plan_keeps_its_scratch_only_when_asked",),
+        what="a prefill plan's launch keeps its split workspaces after its run, so they outlive the forward pass",
+    ),  # fmt: skip
+    Mutation(
         name="page_table_slice_short", path="hf/serving_layout.py",
         old="kv_tables[r0:r1] = kv", new="kv_tables[r0:r1 - 1] = kv[:-1]",
         tests=("tests/test_continuous_batching.py::test_page_tables_built_in_slices",),
