@@ -21,14 +21,18 @@ host's speed drifts between repetitions more than within one). Rows go to
 ``--prefill`` times the prompt's forward pass instead (an eager generate() of one token): a
 spin kernel issued as the forward begins holds the GPU for ``PREFILL_LEAD_MS``, so no layer
 waits for it, and each layer's figure is what issuing it costs the host (a layer that waited
-on the GPU would show the lead's length). ``--profile`` adds cProfile's view of the sparse
-layers' forwards in those calls (functions by their own time).
+on the GPU would show the lead's length); m3_sparse runs with plans (the default), with the
+ops called directly, and with every launch through Triton. ``--profile`` adds cProfile's view
+of the sparse layers' forwards in the planned calls (functions by their own time, then by
+their cumulative time).
 
     python3 benchmarks/bench_host.py --prefill --sizes 8k --profile
 
-With ``--prefill``, ``--pieces`` times the ops the prompt's forward calls (``index_prep``,
-``index_topk``, ``sparse_attention``, the attention function; ``dense_paged_attention`` of
-the first full layer), each repeated alone while a spin kernel holds the GPU.
+With ``--prefill``, ``--pieces`` times what the prompt's forward calls in its first sparse layer
+(``index_prep``, the runs of the ``index_topk`` and ``sparse_attention`` plans, the attention
+function), the first full layer's ``dense_paged_attention`` plan and the dense twin's attention
+function, each repeated alone, ``PREFILL_PIECE_CALLS`` calls a round while a spin kernel holds
+the GPU.
 
 Otherwise ``--pieces`` times the pieces of a sparse layer's step: the op calls of the first
 sparse layer in the third forward pass of an eager m3_sparse generate() (``index_prep``, the
