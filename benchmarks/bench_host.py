@@ -207,15 +207,6 @@ def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]
              "sparse_layer_each_ms": [x * 1e3 for x in s["sparse"]]} for c, s in samples.items()]
 
 
-def profile_text(profile, order: str, top: int = 30) -> str:
-    import io
-    import pstats
-
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
-    return text.getvalue()
-
-
 def log_pieces(log, pieces: list[dict], what: str) -> None:
     if not pieces:
         return
@@ -262,8 +253,8 @@ def prefill_main(args, log, results, models, ids, mask, device) -> int:
     results.write()
     if profile is not None:
         log(f"cProfile of the sparse layers' prefill forwards, m3_sparse-eager, {args.reps} calls:")
-        log(profile_text(profile, "tottime"))
-        log(profile_text(profile, "cumulative", 60))
+        log(common.profile_text(profile, "tottime"))
+        log(common.profile_text(profile, "cumulative", 60))
     log_pieces(log, pieces, "one prefill: the first sparse layer, the first full layer; the dense twin's first layer")
     for line in prefill_table(rows, args):
         log(line)

@@ -482,8 +482,6 @@ def host_profile(fn, reps: int = 21, lead_ms: float = 20.0, top: int = 30) -> st
     while a spin kernel holds the GPU for ``lead_ms`` (as in :func:`host_ms`, so no call waits
     on the GPU); the ``top`` functions by their own time, as ``pstats`` prints them."""
     import cProfile
-    import io
-    import pstats
 
     fn()
     sync()
@@ -496,9 +494,17 @@ def host_profile(fn, reps: int = 21, lead_ms: float = 20.0, top: int = 30) -> st
         fn()
         profile.disable()
         sync()
+    return profile_text(profile, "tottime", top)
+
+
+def profile_text(profile, order: str, top: int = 30) -> str:
+    """The ``top`` functions of a ``cProfile.Profile`` sorted by ``order`` ("tottime",
+    "cumulative"), as ``pstats`` prints them."""
+    import io
+    import pstats
+
     text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats("tottime").print_stats(top)
+    pstats.Stats(profile, stream=text).sort_stats(order).print_stats(top)
     return text.getvalue()
 
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_4b22aa0d69"
+NAMESPACE = "_m3_sparse_cpu_4dba42e875"
 
 ops = getattr(torch.ops, NAMESPACE)
 

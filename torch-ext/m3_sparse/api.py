@@ -433,8 +433,8 @@ def _kvouter_launch(args: AttnArgs, cfg: KVOuterConfig):
     """KV-outer's launches for a call the kernels run in one piece (no slices)."""
     from .kvouter.pipeline_triton import KVOuterLaunch
 
-    capacity = args.selected.shape[0] * args.selected.shape[1] * args.selected.shape[2]
-    return KVOuterLaunch(args, cfg, dispatch.partials_engine(args, cfg, default_tile_q(args.group, cfg), capacity))
+    engine = dispatch.partials_engine(args, cfg, default_tile_q(args.group, cfg), args.selected.numel())
+    return KVOuterLaunch(args, cfg, engine)
 
 
 def _partials_gpu(args: AttnArgs, index, sched, cfg: KVOuterConfig):
