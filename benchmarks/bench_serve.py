@@ -36,7 +36,8 @@ host, after the step's tokens came back from the device): output tokens/s (all g
 tokens over the time from the first arrival to the last token), time to first token per
 request (its first token's stamp less its ``add_request`` time: queueing and prefill
 included), inter-token latency (the gaps between a request's consecutive tokens, all
-requests pooled), p50 and p99 of both, and the peak memory (``torch.cuda.max_memory_allocated``
+requests pooled), p50 and p99 of both (and ITL's deciles p10-p90 in the JSON,
+``itl_quantiles_ms``), and the peak memory (``torch.cuda.max_memory_allocated``
 over the run, weights and the manager's cache included). On CUDA each configuration is warmed
 before its timed runs (``--warmup auto``): ``m3_sparse`` serves the whole request set once,
 untimed (``full``), because Triton specializes its kernels per step shape and the manager
@@ -50,7 +51,8 @@ tokens it scheduled, whether it took the decode fast path, and the host time of 
 launching and updating; the JSON row holds their totals (``steps``) and the log a line. For the
 runs of consecutive fast-path (decode-only) steps it also holds their medians: a step's host ms
 (the three methods) and the wall ms from its start to the next step's (``decode_host_ms_p50``,
-``decode_wall_ms_p50``), where a wall time well above the host's is a step waiting for the GPU.
+``decode_wall_ms_p50``; the wall ms's p10-p90 in ``decode_wall_ms_quantiles``), where a wall
+time well above the host's is a step waiting for the GPU.
 
 Check: with ``--check`` (on in ``--quick``; ``--check m3_sparse`` for one configuration)
 every request's tokens are compared with its own single-request ``generate()`` on the same
@@ -341,6 +343,7 @@ def step_summary(rows: list[dict]) -> dict:
     wall = [(b["start"] - a["start"]) * 1e3 for a, b in pairs]
     out["decode_host_ms_p50"] = float(np.median(host)) if host else None
     out["decode_wall_ms_p50"] = float(np.median(wall)) if wall else None
+    out["decode_wall_ms_quantiles"] = quantiles(wall)
     return out
 
 
@@ -352,11 +355,21 @@ def stopped_figures(served: list[Served | None], stopped_s: float, new_tokens: i
     finished = [s for s in served if s is not None]
     return {"output_tokens": sum(len(s.tokens) for s in finished), "finished": len(finished), "wall_s": stopped_s,
             "tok_s": None, "tok_s_max": len(served) * new_tokens / stopped_s,
-            "ttft_p50_ms": None, "ttft_p99_ms": None, "itl_p50_ms": None, "itl_p99_ms": None}
+            "ttft_p50_ms": None, "ttft_p99_ms": None, "itl_p50_ms": None, "itl_p99_ms": None,
+            "itl_quantiles_ms": None}
 
 
 def pct(values, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
+
+
+QUANTILES = (10, 25, 50, 75, 90)
+
+
+def quantiles(values) -> dict | None:
+    """``{"p10": ..., "p90": ...}`` (``QUANTILES``) of ``values``, or None: the shape of a
+    distribution whose median alone can sit on either side of a gap between two kinds of step."""
+    return {f"p{q}": pct(values, q) for q in QUANTILES} if len(values) else None
 
 
 def figures(served: list[Served], start: float) -> dict:
@@ -371,6 +384,7 @@ def figures(served: list[Served], start: float) -> dict:
         "tok_s": tokens / (end - start) if end > start else None,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "itl_quantiles_ms": quantiles(itl),
     }
 
 

@@ -46,6 +46,9 @@ def test_quick_run_serves_and_checks_tokens(tmp_path):
         assert m["status"] == "ok" and m["checked"] and m["mismatched"] == [], m
         assert m["output_tokens"] == r["sizes"]["requests"] * r["sizes"]["new_tokens"]
         assert 0 < m["ttft_p50_ms"] <= m["ttft_p99_ms"] and 0 < m["itl_p50_ms"] <= m["itl_p99_ms"]
+        q = m["itl_quantiles_ms"]
+        assert list(q) == ["p10", "p25", "p50", "p75", "p90"] and q["p50"] == m["itl_p50_ms"], q
+        assert 0 < q["p10"] <= q["p25"] <= q["p50"] <= q["p75"] <= q["p90"] <= m["itl_p99_ms"], q
         assert m["tok_s"] > 0 and r["ms"] == m["ttft_p50_ms"]
         # Every prompt token is prefilled once and every new token but the last is fed back:
         # the steps' query tokens add up to that (no padding on the CPU).
@@ -244,5 +247,7 @@ def test_step_summary_gives_a_decode_steps_host_and_wall_time():
     # Decode pairs: (1, 2) host 1.0 wall 4 ms, (2, 3) host 2.0 wall 6 ms; step 3 is followed by a mixed step.
     assert summary["decode_host_ms_p50"] == pytest.approx(1.5)
     assert summary["decode_wall_ms_p50"] == pytest.approx(5.0)
+    assert summary["decode_wall_ms_quantiles"] == pytest.approx({"p10": 4.2, "p25": 4.5, "p50": 5.0, "p75": 5.5, "p90": 5.8})
     assert summary["steps"] == 6 and summary["decode_steps"] == 4
     assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_p50"] is None
+    assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_quantiles"] is None
