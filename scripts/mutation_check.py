@@ -285,6 +285,12 @@ MUTATIONS = (
         what="a step's K/V page tables, built a slice of rows at a time, leave each slice's last row unfilled",
     ),  # fmt: skip
     Mutation(
+        name="decode_table_rows_stale", path="hf/serving_allocator.py",
+        old="if kept is None or kept[0] != block_ids or", new="if kept is None or",
+        tests=("tests/test_continuous_batching.py::test_decode_table_rows_follow_the_blocks",),
+        what="a request's kept row of the decode block table is copied after its blocks changed",
+    ),  # fmt: skip
+    Mutation(
         name="step_segments_unreserved", path="hf/serving_layout.py",
         old="segment_bytes = api.kvouter_bytes_per_segment() * rows * per_row", new="segment_bytes = 0.0",
         tests=("tests/test_serving_memory.py::test_no_mask_nor_read_back_is_reserved",),

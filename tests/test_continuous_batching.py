@@ -519,6 +519,48 @@ def test_read_index_holds_one_slot_per_page():
     assert type(other) is design.FullAttentionCacheAllocator
 
 
+@pytest.mark.skipif(not compat.CB_ALLOCATORS, reason="the allocators of transformers 5.18 and later")
+def test_decode_table_rows_follow_the_blocks():
+    """On the decode fast path every request's row of the block table is written at every step,
+    once per allocator. Under paged|m3_sparse each allocator keeps a request's row and copies it
+    until the request's blocks change; the rows always equal what transformers' own allocator
+    writes: after new blocks, after a block is swapped in place (prefix caching swaps a complete
+    block for an identical cached one), and for a request freed and added again."""
+    cache = manager_cache(32)
+    allocators = list(cache.cache_allocators.values())
+    width = 8
+
+    def rows(rid, own=False):
+        table = torch.full((len(allocators), width), -1, dtype=torch.int32)
+        if own:  # transformers' allocator in the place of m3_sparse's
+            for a in allocators:
+                serving.cache_design.FullAttentionCacheAllocator.fill_block_table(a, rid, 0, 1, table[a.index])
+        else:
+            cache.fill_block_table(rid, 0, 1, table)
+        return table
+
+    def kept(rid):
+        return [vars(a)["_kept_rows"].get(rid) for a in allocators]
+
+    give_room(cache, "a", 0, 40)
+    give_room(cache, "b", 0, 32)
+    give_room(cache, "a", 40, 40)  # a's third page comes after b's: not contiguous
+    first = rows("a")
+    assert torch.equal(first, rows("a", own=True)) and (first[:, :3] >= 0).all() and (first[:, 3:] == -1).all()
+    entries = [k[1] for k in kept("a")]
+    assert torch.equal(rows("a"), first) and all(k[1] is e for k, e in zip(kept("a"), entries))  # copied, not made
+    give_room(cache, "a", 80, 20)  # a fourth page
+    assert torch.equal(rows("a"), rows("a", own=True)) and (rows("a")[:, 3] >= 0).all()
+    for a in allocators:  # a complete block swapped in place for another (b's first)
+        a.block_table["a"][1] = a.block_table["b"][0]
+    assert torch.equal(rows("a"), rows("a", own=True)) and torch.equal(rows("a")[:, 1], rows("b")[:, 0])
+    cache.free_blocks("a")
+    assert kept("a") == [None] * len(allocators) and kept("b") != [None] * len(allocators)
+    give_room(cache, "b", 32, 32)
+    give_room(cache, "a", 0, 20)  # the same id again, on other blocks
+    assert torch.equal(rows("a"), rows("a", own=True)) and (rows("a")[:, 1:] == -1).all()
+
+
 def test_a_request_cancelled_in_flight_keeps_the_manager_alive():
     """Under async batching (the default with CUDA graphs) the manager prepares step N + 1, which
     frees the tables of requests cancelled by their clients, while step N runs; step N's update

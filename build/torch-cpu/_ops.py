@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_4dba42e875"
+NAMESPACE = "_m3_sparse_cpu_834a8ed1b6"
 
 ops = getattr(torch.ops, NAMESPACE)
 
