@@ -60,7 +60,8 @@ def split(kernels: dict[str, float]) -> dict[str, float]:
 def parse_args(argv=None):
     p = common.parser(__doc__, sizes=None, sizes_help="")
     p.add_argument("--sizes", default=None, help="prompt lengths, k = 1024, comma separated (default 32k; --quick 256)")
-    p.add_argument("--layers", default=None, help="layer pattern, s = sparse, f = full (default sssfsssfsssf; --quick sf)")
+    p.add_argument("--layers", default=None,
+                   help="layer pattern, s = sparse, f = full (default sssfsssfsssf; --quick sf)")
     p.add_argument("--quick", action="store_true", help="toy shapes on the CPU")
     args = p.parse_args(argv)
     args.sizes = args.sizes or ("256" if args.quick else "32k")
@@ -111,9 +112,13 @@ def main(argv=None) -> int:
         twin_full = dense["dense_attention"] * full_layers / len(args.layers)
         free = sparse["all"] - sparse["kvouter"] - sparse["index"]
         free_twin_full = free - sparse["dense_attention"] + twin_full
-        x = (lambda ms: dense["all"] / ms if ms > 0 else None)
+
+        def x(ms: float) -> float | None:  # the twin's kernel time over ms
+            return dense["all"] / ms if ms > 0 else None
+
         for config, g in groups.items():
-            extra = {} if config == "dense" else {"free_sparse_x": x(free), "free_sparse_twin_full_x": x(free_twin_full)}
+            bounds = {"free_sparse_x": x(free), "free_sparse_twin_full_x": x(free_twin_full)}
+            extra = {} if config == "dense" else bounds
             results.add(f"{args.layers} {shape.label}", g["all"] or None, what=config, sizes={"size": shape.label},
                         baseline="dense", baseline_ms=dense["all"] or None, groups_ms=g, **extra)
         lines.append([

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_834a8ed1b6"
+NAMESPACE = "_m3_sparse_cpu_210130528a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -85,10 +85,10 @@ class _KeptTableRows:
 
     On the decode fast path the manager writes every request's row of the kernels' block table
     at every step, once per allocator (two for M3), building it from the request's block list
-    with ``torch.tensor`` and a multiply: about 20 us a row on the host, most of a 14-request
-    decode step's preparation. A request's blocks change once a page of tokens (or when a
-    complete block is swapped for an identical cached one), so the row is made then and copied
-    at the other steps; a request's kept row goes when its blocks are freed."""
+    with ``torch.tensor`` and a multiply: with a dozen requests, most of a decode step's host
+    preparation (docs/perf-log/2026-12-06.md). A request's blocks change once a page of tokens
+    (or when a complete block is swapped for an identical cached one), so the row is made then
+    and copied at the other steps; a request's kept row goes when its blocks are freed."""
 
     def fill_block_table(self, request_id: str, past_length: int, query_length: int, block_table: torch.Tensor) -> None:
         block_ids = self.block_table[request_id]
@@ -106,8 +106,9 @@ class _KeptTableRows:
 
 
 class M3FullCacheAllocator(_PageReads, _CancelledInFlight, _KeptTableRows, FullAttentionCacheAllocator):
-    """transformers' ``FullAttentionCacheAllocator`` with :class:`_PageReads`, for the
-    full-attention layers of a model that runs m3_sparse. Registered for the full-attention
+    """transformers' ``FullAttentionCacheAllocator`` with :class:`_PageReads`,
+    :class:`_CancelledInFlight` and :class:`_KeptTableRows`, for the full-attention layers of
+    a model that runs m3_sparse. Registered for the full-attention
     type, it makes transformers' own class for every other model (the instance is exactly
     what transformers would have made)."""
 
