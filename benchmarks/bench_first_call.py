@@ -26,7 +26,8 @@ default cache and dispatch, where each kernel compiles at its launch, one after 
 ``m3_sparse-ahead``: m3_sparse with compile-ahead passes (``M3_SPARSE_COMPILE_AHEAD=1``: an op's
 first calls compile their kernels side by side on a thread pool first).
 
-Outputs in ``--out``: bench_first_call.md / .json / .log; the table is printed last.
+Outputs in ``--out``: bench_first_call.md / .json / .log; each configuration's Triton compiles
+(kernel and seconds, slowest first; ``kernels`` in the JSON), then the table, printed last.
 
     python3 benchmarks/bench_first_call.py --layers sssfsssfsssf --size 32k
     python3 benchmarks/bench_first_call.py --quick     # CPU smoke run (no compiles to split)
@@ -89,6 +90,7 @@ class Split:
         self.seconds = dict.fromkeys(KINDS, 0.0)
         self.counts = dict.fromkeys(KINDS, 0)
         self.compiles = 0  # Triton kernels compiled, on any thread
+        self.kernels: list[tuple[str, float]] = []  # (kernel, seconds) of each compile, on any thread
         self._depth = 0
         self._open: dict = {}
         self._thread = threading.get_ident()
@@ -146,8 +148,12 @@ def instrument(split: Split) -> None:
 
         def compile(*args, **kwargs):
             split.compiles += 1  # on any thread: a compile-ahead pass compiles on a pool
-            with split.timing("triton"):
-                return compile_fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                with split.timing("triton"):
+                    return compile_fn(*args, **kwargs)
+            finally:
+                split.kernels.append((kernel_name(args[0] if args else kwargs.get("src")), time.perf_counter() - start))
 
         triton_compiler.compile = compile
         # The caller's waits for a pass's compiles: its mode's exit, or a launch that needs one.
@@ -179,6 +185,13 @@ def instrument(split: Split) -> None:
         split.wrap(cute, "compile", "flash_attn_4")
     except ImportError:
         pass
+
+
+def kernel_name(src) -> str:
+    """The kernel a Triton compile builds: its source's function name (a JIT function's
+    ``__name__``), else the source's own ``name``."""
+    fn = getattr(src, "fn", None)
+    return getattr(fn, "__name__", None) or getattr(src, "name", None) or type(src).__name__
 
 
 def child(args) -> dict:
@@ -214,7 +227,7 @@ def child(args) -> dict:
             parts = {k: split.seconds[k] - before[k] for k in KINDS}
             calls.append({"s": total, **parts, "other": total - sum(parts.values())})
     return {"config": name, "first": calls[0], "warm": calls[1], "counts": split.counts, "compiles": split.compiles,
-            "tokens": out[0, ids.shape[1]:][:8].tolist()}
+            "kernels": sorted(split.kernels, key=lambda k: -k[1]), "tokens": out[0, ids.shape[1]:][:8].tolist()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,6 +281,9 @@ def main(argv=None) -> int:
                       common.ratio(first["s"], base["first"]["s"], 2) if base else "",
                       *(common.fmt(first[k], 1) for k in (*KINDS, "other")), common.fmt(r["warm"]["s"], 2),
                       r["compiles"], common.fmt(r["process_s"], 1)])
+    for r in rows:  # each compile, slowest first (seconds of its own thread)
+        if r.get("kernels"):
+            log(f"- {r['config']}: " + ", ".join(f"{k} {t:.1f}" for k, t in r["kernels"]))
     log(common.md_table(header, table))
     common.write_json(out / "bench_first_call.json", {"environment": common.environment(), "args": vars(args),
                                                       "rows": rows})

@@ -19,9 +19,31 @@ def test_quick_run_splits_each_first_call(tmp_path):
     assert [r["config"] for r in rows] == ["dense", "m3_sparse", "m3_sparse-ahead"]
     for r in rows:
         assert r["status"] == "ok" and len(r["tokens"]) == 4, r
+        assert r["kernels"] == [] and r["compiles"] == 0  # the interpreter compiles nothing
         for call in (r["first"], r["warm"]):
             parts = sum(call[k] for k in ("triton", "inductor", "graphs", "flash_attn_4", "other"))
             assert call["s"] > 0 and abs(parts - call["s"]) < 1e-6 and call["other"] >= 0, call
     # The same greedy tokens whether the kernels compile ahead or not.
     assert rows[1]["tokens"] == rows[2]["tokens"]
     assert "| m3_sparse-ahead |" in (tmp_path / "bench_first_call.md").read_text()
+
+
+def test_a_compile_is_named_by_its_kernel():
+    """Each Triton compile is logged under its kernel's name: a JIT function's ``__name__``
+    (what ``triton.compiler.compile`` gets as ``src.fn``), else the source's ``name``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_first_call
+
+    class JitSource:
+        def __init__(self, fn):
+            self.fn = fn
+
+    def _kvouter_partials_kernel():
+        pass
+
+    class IRSource:
+        name = "_combine_kernel"
+
+    assert bench_first_call.kernel_name(JitSource(_kvouter_partials_kernel)) == "_kvouter_partials_kernel"
+    assert bench_first_call.kernel_name(IRSource()) == "_combine_kernel"
+    assert bench_first_call.kernel_name(None) == "NoneType"
