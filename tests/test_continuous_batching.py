@@ -559,6 +559,14 @@ def test_decode_table_rows_follow_the_blocks():
     give_room(cache, "b", 32, 32)
     give_room(cache, "a", 0, 20)  # the same id again, on other blocks
     assert torch.equal(rows("a"), rows("a", own=True)) and (rows("a")[:, 1:] == -1).all()
+    # Rows whose tables went some other way than free_blocks are swept once they pile up.
+    sparse = cache.cache_allocators[serving.SPARSE_LAYER_TYPE]
+    stale = vars(sparse)["_kept_rows"]
+    for i in range(2 * len(sparse.block_table) + serving.cache_design.KEPT_ROWS_SLACK):
+        stale[f"gone{i}"] = ([], torch.zeros(0, dtype=torch.int32))
+    give_room(cache, "a", 20, 32)  # a's second page: its row is made again, and the sweep runs
+    assert torch.equal(rows("a"), rows("a", own=True))
+    assert set(stale) == {"a", "b"}
 
 
 def test_a_request_cancelled_in_flight_keeps_the_manager_alive():

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_210130528a"
+NAMESPACE = "_m3_sparse_cpu_be8eea962a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_210130528a"
+NAMESPACE = "_m3_sparse_cuda_be8eea962a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -43,6 +43,7 @@ from .serving_layout import (
 )
 
 FULL_LAYER_TYPE = "full_attention"  # FullAttentionCacheAllocator's layer type (its registry key)
+KEPT_ROWS_SLACK = 64  # kept decode-table rows allowed beyond twice the live tables before a sweep
 _INT32_MAX = 2**31 - 1
 
 
@@ -98,6 +99,11 @@ class _KeptTableRows:
             stride = self.block_physical_stride // self.tokens_per_page
             entries = torch.tensor(block_ids, dtype=block_table.dtype) * stride
             kept = rows[request_id] = (list(block_ids), entries)
+            if len(rows) > 2 * len(self.block_table) + KEPT_ROWS_SLACK:
+                # Rows of requests whose tables went without free_blocks (none of transformers'
+                # paths does that today): a long-running server's memory stays flat regardless.
+                for gone in [r for r in rows if r not in self.block_table]:
+                    del rows[gone]
         block_table[: len(block_ids)].copy_(kept[1], non_blocking=True)
 
     def free_blocks(self, request_id: str, *args, **kwargs) -> None:
