@@ -52,7 +52,9 @@ launching and updating; the JSON row holds their totals (``steps``) and the log 
 runs of consecutive fast-path (decode-only) steps it also holds their medians: a step's host ms
 (the three methods) and the wall ms from its start to the next step's (``decode_host_ms_p50``,
 ``decode_wall_ms_p50``; the wall ms's p10-p90 in ``decode_wall_ms_quantiles``), where a wall
-time well above the host's is a step waiting for the GPU.
+time well above the host's is a step waiting for the GPU. ``--stub-model`` replaces each step's
+forward pass and sampling by a fixed token, so the steps' figures are the manager's own host
+bookkeeping as the installed transformers does it (the schedule does not depend on the tokens).
 
 Check: with ``--check`` (on in ``--quick``; ``--check m3_sparse`` for one configuration)
 every request's tokens are compared with its own single-request ``generate()`` on the same
@@ -178,6 +180,10 @@ def parse_args(argv=None):
                    "reports an upper bound on its output tok/s (every request's tokens over the time it ran) and "
                    "the speedups over it as lower bounds (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompt lengths and tokens (default 0)")
+    p.add_argument("--stub-model", action="store_true",
+                   help="replace each step's forward pass and sampling by a stub that emits token STUB_TOKEN: "
+                   "only the manager's host bookkeeping runs (scheduling, input tensors, block tables, the "
+                   "cache's allocators, updates), as each transformers release does it; no token check")
     args = p.parse_args(argv)
     q = args.quick
     try:
@@ -191,7 +197,9 @@ def parse_args(argv=None):
     args.block_size = args.block_size or (16 if q else 256)
     args.max_batch_tokens = args.max_batch_tokens or (64 if q else 8192)
     bg.model_and_configs(p, args, q, CONFIGS)
-    check = args.check or ("all" if q else "")
+    if args.stub_model and args.check:
+        p.error("--check: a stubbed model emits STUB_TOKEN, not the model's tokens")
+    check = args.check or ("all" if q and not args.stub_model else "")
     args.check = list(args.configs) if check == "all" else [c for c in check.split(",") if c.strip()]
     if set(args.check) - set(args.configs):
         p.error(f"--check: expected configurations of --configs {args.configs}, got {args.check}")
@@ -288,6 +296,31 @@ def _host_io(processor):
     io = processor.inputs_and_outputs
     pairs = getattr(io, "io_pairs", None)
     return pairs[io.current_pair].host_io if pairs is not None else io
+
+
+STUB_TOKEN = 3  # what --stub-model emits: never PAD, BOS or EOS, like the prompts' tokens
+
+
+@contextlib.contextmanager
+def stubbed_model(on: bool):
+    """With ``on``, transformers' ``ModelRunner._forward_process_and_sample`` (the forward pass,
+    logits processing and sampling of a step; the same signature from 5.17 to 5.25) writes
+    ``STUB_TOKEN`` for every sampled position instead, and is restored on exit."""
+    if not on:
+        yield
+        return
+    from transformers.generation.continuous_batching import model_runner
+
+    original = model_runner.ModelRunner._forward_process_and_sample
+
+    def stub(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids):
+        output_ids[0, : batch_data["logits_indices"].numel()].fill_(STUB_TOKEN)
+
+    model_runner.ModelRunner._forward_process_and_sample = stub
+    try:
+        yield
+    finally:
+        model_runner.ModelRunner._forward_process_and_sample = original
 
 
 @contextlib.contextmanager
@@ -645,7 +678,9 @@ def setup_lines(args, env, prompts) -> list[str]:
         f"- Warm-up before each configuration's runs (CUDA): "
         f"{', '.join(f'{c} {warmup_mode(c, args)}' for c in args.configs) if args.device.type == 'cuda' else 'none'}.",
         f"- Token check: {check_line(args) if args.check else 'off (--check)'}.",
-    ]
+    ] + ([f"- Model stubbed (--stub-model): every step emits token {STUB_TOKEN} without a forward pass, so only "
+          "the manager's host bookkeeping is timed; tokens/s and latencies are not the model's."]
+         if args.stub_model else [])
 
 
 def check_line(args) -> str:
@@ -749,10 +784,12 @@ def main(argv=None) -> int:
     log(f"configs {args.configs}, layers {args.patterns}, {args.requests} requests of "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens, rates {args.rates}")
     runs: list[Run] = []
+    stack = contextlib.ExitStack()
     bar_cls = tqdm if tqdm is not None else common.NoBar
     _BAR = bar_cls(total=len(args.patterns) * len(args.configs) * len(args.rates) * args.requests,
                    desc="bench_serve", unit="request", dynamic_ncols=True)
     try:
+        stack.enter_context(stubbed_model(args.stub_model))
         for pattern in args.patterns:
             models = bg.build_models(args, pattern, args.dtype)
             for name in args.configs:
@@ -770,6 +807,7 @@ def main(argv=None) -> int:
             del models
             bg.free_memory(args.device)
     finally:
+        stack.close()
         _BAR.close()
         _BAR = None
     log(plot(args, runs))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,3 +252,30 @@ def test_step_summary_gives_a_decode_steps_host_and_wall_time():
     assert summary["steps"] == 6 and summary["decode_steps"] == 4
     assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_p50"] is None
     assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_quantiles"] is None
+
+
+def test_stub_model_times_the_managers_bookkeeping_only(tmp_path):
+    """--stub-model: each step emits STUB_TOKEN without a forward pass, so a run measures the
+    manager's host bookkeeping alone (the same steps as the model's run: the schedule does
+    not depend on the tokens); it refuses the token check, says so in the report, and puts
+    transformers' own step function back afterwards."""
+    rows = quick_run(tmp_path, "--stub-model", "--configs", "m3_sparse", "--rates", "0")
+    (row,) = rows
+    m = row["metrics"]
+    assert m["status"] == "ok" and not m["checked"] and m["output_tokens"] == row["sizes"]["requests"] * 5
+    steps, sizes = m["steps"], row["sizes"]
+    assert steps["q_tokens"] == sizes["prompt_tokens"] + sizes["requests"] * (sizes["new_tokens"] - 1), steps
+    assert "Model stubbed (--stub-model)" in (tmp_path / "bench_serve.md").read_text()
+    bench_serve = import_bench_serve()
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args(["--quick", "--stub-model", "--check"])
+    from transformers.generation.continuous_batching import model_runner
+
+    original = model_runner.ModelRunner._forward_process_and_sample
+    with bench_serve.stubbed_model(True):
+        assert model_runner.ModelRunner._forward_process_and_sample is not original
+        output = torch.zeros(1, 4, dtype=torch.int32)
+        model_runner.ModelRunner._forward_process_and_sample(None, None, {"logits_indices": torch.arange(3)},
+                                                            None, None, output)
+        assert output.tolist() == [[bench_serve.STUB_TOKEN] * 3 + [0]]
+    assert model_runner.ModelRunner._forward_process_and_sample is original
