@@ -784,30 +784,28 @@ def main(argv=None) -> int:
     log(f"configs {args.configs}, layers {args.patterns}, {args.requests} requests of "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.new_tokens} new tokens, rates {args.rates}")
     runs: list[Run] = []
-    stack = contextlib.ExitStack()
     bar_cls = tqdm if tqdm is not None else common.NoBar
     _BAR = bar_cls(total=len(args.patterns) * len(args.configs) * len(args.rates) * args.requests,
                    desc="bench_serve", unit="request", dynamic_ncols=True)
     try:
-        stack.enter_context(stubbed_model(args.stub_model))
-        for pattern in args.patterns:
-            models = bg.build_models(args, pattern, args.dtype)
-            for name in args.configs:
-                kind, attn = CONFIGS[name]
-                model = models[kind]
-                refs: dict = {}  # generate()'s tokens per request, shared by this model's runs
-                model.set_attn_implementation(attn)
-                warm_up(model, name, prompts, args)
-                for rate in args.rates:
-                    _BAR.set_postfix_str(f"{pattern} {name} {'at once' if rate == 0 else f'{rate:g}/s'}")
-                    run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1), refs)
-                    runs.append(run)
-                    log_run(run)
-                    write_outputs(args, env, prompts, runs, final=False)
-            del models
-            bg.free_memory(args.device)
+        with stubbed_model(args.stub_model):
+            for pattern in args.patterns:
+                models = bg.build_models(args, pattern, args.dtype)
+                for name in args.configs:
+                    kind, attn = CONFIGS[name]
+                    model = models[kind]
+                    refs: dict = {}  # generate()'s tokens per request, shared by this model's runs
+                    model.set_attn_implementation(attn)
+                    warm_up(model, name, prompts, args)
+                    for rate in args.rates:
+                        _BAR.set_postfix_str(f"{pattern} {name} {'at once' if rate == 0 else f'{rate:g}/s'}")
+                        run = run_one(model, name, pattern, prompts, args, rate, lambda: _BAR.update(1), refs)
+                        runs.append(run)
+                        log_run(run)
+                        write_outputs(args, env, prompts, runs, final=False)
+                del models
+                bg.free_memory(args.device)
     finally:
-        stack.close()
         _BAR.close()
         _BAR = None
     log(plot(args, runs))
