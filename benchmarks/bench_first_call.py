@@ -89,8 +89,7 @@ class Split:
     def __init__(self):
         self.seconds = dict.fromkeys(KINDS, 0.0)
         self.counts = dict.fromkeys(KINDS, 0)
-        self.compiles = 0  # Triton kernels compiled, on any thread
-        self.kernels: list[tuple[str, float]] = []  # (kernel, seconds) of each compile, on any thread
+        self.kernels: list[tuple[str, float]] = []  # (kernel, seconds) of each Triton compile, on any thread
         self._depth = 0
         self._open: dict = {}
         self._thread = threading.get_ident()
@@ -146,14 +145,14 @@ def instrument(split: Split) -> None:
         # JITFunction binds the package's ``compile`` at its first use: wrapped before any.
         compile_fn = triton_compiler.compile
 
-        def compile(*args, **kwargs):
-            split.compiles += 1  # on any thread: a compile-ahead pass compiles on a pool
+        def compile(*args, **kwargs):  # on any thread: a compile-ahead pass compiles on a pool
             start = time.perf_counter()
             try:
                 with split.timing("triton"):
                     return compile_fn(*args, **kwargs)
             finally:
-                split.kernels.append((kernel_name(args[0] if args else kwargs.get("src")), time.perf_counter() - start))
+                name = kernel_name(args[0] if args else kwargs.get("src"))
+                split.kernels.append((name, time.perf_counter() - start))
 
         triton_compiler.compile = compile
         # The caller's waits for a pass's compiles: its mode's exit, or a launch that needs one.
@@ -226,7 +225,7 @@ def child(args) -> dict:
             total = time.perf_counter() - start
             parts = {k: split.seconds[k] - before[k] for k in KINDS}
             calls.append({"s": total, **parts, "other": total - sum(parts.values())})
-    return {"config": name, "first": calls[0], "warm": calls[1], "counts": split.counts, "compiles": split.compiles,
+    return {"config": name, "first": calls[0], "warm": calls[1], "counts": split.counts, "compiles": len(split.kernels),
             "kernels": sorted(split.kernels, key=lambda k: -k[1]), "tokens": out[0, ids.shape[1]:][:8].tolist()}
 
 
