@@ -50,8 +50,9 @@ Steps: every run also records each step of the manager's loop (``step_log``): th
 tokens it scheduled, whether it took the decode fast path, and the host time of scheduling,
 launching and updating; the JSON row holds their totals (``steps``) and the log a line. For the
 runs of consecutive fast-path (decode-only) steps it also holds their medians: a step's host ms
-(the three methods) and the wall ms from its start to the next step's (``decode_host_ms_p50``,
-``decode_wall_ms_p50``; the wall ms's p10-p90 in ``decode_wall_ms_quantiles``), where a wall
+(its three methods together, ``decode_host_ms_p50``, and each alone, ``decode_method_ms_p50``)
+and the wall ms from its start to the next step's (``decode_wall_ms_p50``; its p10-p90 in
+``decode_wall_ms_quantiles``), where a wall
 time well above the host's is a step waiting for the GPU. ``--stub-model`` replaces each step's
 forward pass and sampling by a fixed token, so the steps' figures are the manager's own host
 bookkeeping as the installed transformers does it (the schedule does not depend on the tokens).
@@ -289,6 +290,7 @@ def serve(model, prompts, args, rate: float, on_done=lambda: None) -> tuple[list
 
 
 STEP_METHODS = ("prepare_next_batch", "_generation_step", "update_batch")
+STEP_MS = ("prepare_ms", "generation_step_ms", "update_batch_ms")  # a step_log row's host ms, one per method
 
 
 def _host_io(processor):
@@ -368,13 +370,15 @@ def step_summary(rows: list[dict]) -> dict:
     mixed = [r for r in rows if not r["decode_fast_path"]]
     out = {"steps": len(rows), "decode_steps": len(rows) - len(mixed), "q_tokens": sum(r["q_tokens"] for r in rows),
            "mixed_q_tokens_mean": sum(r["q_tokens"] for r in mixed) / len(mixed) if mixed else None}
-    for key in ("prepare_ms", "generation_step_ms", "update_batch_ms"):
+    for key in STEP_MS:
         out[key] = sum(r.get(key, 0.0) for r in rows)
     # Consecutive decode-only steps: each one's host ms, and the wall ms to the next one's start.
     pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a["decode_fast_path"] and b["decode_fast_path"]]
-    host = [sum(a.get(k, 0.0) for k in ("prepare_ms", "generation_step_ms", "update_batch_ms")) for a, _ in pairs]
+    host = [sum(a.get(k, 0.0) for k in STEP_MS) for a, _ in pairs]
     wall = [(b["start"] - a["start"]) * 1e3 for a, b in pairs]
     out["decode_host_ms_p50"] = float(np.median(host)) if host else None
+    # Per method, so two releases' steps can be told apart by where their host time goes.
+    out["decode_method_ms_p50"] = {k: float(np.median([a.get(k, 0.0) for a, _ in pairs])) for k in STEP_MS} if pairs else None
     out["decode_wall_ms_p50"] = float(np.median(wall)) if wall else None
     out["decode_wall_ms_quantiles"] = quantiles(wall)
     return out
@@ -769,7 +773,11 @@ def log_run(run: Run) -> None:
             f"host ms: prepare {fmt(st['prepare_ms'], 0)}, "
             f"step {fmt(st['generation_step_ms'], 0)}, update {fmt(st['update_batch_ms'], 0)}; "
             f"a decode-only step: host {fmt(st['decode_host_ms_p50'], 2)} ms, wall {fmt(st['decode_wall_ms_p50'], 2)} ms "
-            "(medians)")
+            f"(medians; prepare / step / update {_method_ms(st.get('decode_method_ms_p50'))})")
+
+
+def _method_ms(per_method: dict | None) -> str:
+    return "/".join(common.fmt(per_method[k], 2) for k in STEP_MS) if per_method else "-"
 
 
 def main(argv=None) -> int:

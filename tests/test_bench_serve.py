@@ -236,8 +236,9 @@ def test_scheduler_flag_reaches_the_manager_config():
 
 
 def test_step_summary_gives_a_decode_steps_host_and_wall_time():
-    """Runs of decode-only steps: the median of each step's host ms (its three methods) and of
-    the wall ms from its start to the next step's; other steps count in neither."""
+    """Runs of decode-only steps: the median of each step's host ms (its three methods, together
+    and each alone) and of the wall ms from its start to the next step's; other steps count in
+    neither."""
     def row(fast, host, start_s):
         return {"q_tokens": 2 if fast else 64, "requests": 2, "decode_fast_path": fast, "prepare_ms": host / 2,
                 "generation_step_ms": host / 4, "update_batch_ms": host / 4, "start": start_s}
@@ -248,10 +249,13 @@ def test_step_summary_gives_a_decode_steps_host_and_wall_time():
     # Decode pairs: (1, 2) host 1.0 wall 4 ms, (2, 3) host 2.0 wall 6 ms; step 3 is followed by a mixed step.
     assert summary["decode_host_ms_p50"] == pytest.approx(1.5)
     assert summary["decode_wall_ms_p50"] == pytest.approx(5.0)
+    assert summary["decode_method_ms_p50"] == pytest.approx(
+        {"prepare_ms": 0.75, "generation_step_ms": 0.375, "update_batch_ms": 0.375})
     assert summary["decode_wall_ms_quantiles"] == pytest.approx({"p10": 4.2, "p25": 4.5, "p50": 5.0, "p75": 5.5, "p90": 5.8})
     assert summary["steps"] == 6 and summary["decode_steps"] == 4
     assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_p50"] is None
     assert import_bench_serve().step_summary(rows[:2])["decode_wall_ms_quantiles"] is None
+    assert import_bench_serve().step_summary(rows[:2])["decode_method_ms_p50"] is None
 
 
 def test_stub_model_times_the_managers_bookkeeping_only(tmp_path):
