@@ -50,10 +50,12 @@ Steps: every run also records each step of the manager's loop (``step_log``): th
 tokens it scheduled, whether it took the decode fast path, and the host time of scheduling,
 launching and updating; the JSON row holds their totals (``steps``) and the log a line. For the
 runs of consecutive fast-path (decode-only) steps it also holds their medians: a step's host ms
-(its three methods together, ``decode_host_ms_p50``, and each alone, ``decode_method_ms_p50``)
-and the wall ms from its start to the next step's (``decode_wall_ms_p50``; its p10-p90 in
-``decode_wall_ms_quantiles``), where a wall
-time well above the host's is a step waiting for the GPU. ``--stub-model`` replaces each step's
+(its three methods together, ``decode_host_ms_p50``, and each alone, ``decode_method_ms_p50``),
+the device span of its forward on CUDA (``decode_gpu_span_ms_p50``) and the wall ms from its
+start to the next step's (``decode_wall_ms_p50``; its p10-p90 in ``decode_wall_ms_quantiles``).
+The host ms include waits for the device (in sync mode ``_generation_step`` waits for the
+step's tokens), so it is the GPU span that tells a step held by the device (a span close to the
+wall ms) from one held by the host (a span well below it). ``--stub-model`` replaces each step's
 forward pass and sampling by a fixed token, so the steps' figures are the manager's own host
 bookkeeping as the installed transformers does it (the schedule does not depend on the tokens).
 
@@ -332,10 +334,27 @@ def step_log():
     take the step's query tokens as scheduled (padded where the manager pads for its graphs),
     requests and decode fast path, and the host ms of each method: ``prepare_next_batch``
     (scheduling, input tensors), ``_generation_step`` (the forward launched, or a graph
-    replayed) and ``update_batch`` (the tokens read back, requests updated; in async mode it
-    waits for the step before)."""
+    replayed; in sync mode it also waits for the step's tokens) and ``update_batch`` (the
+    tokens read back, requests updated; in async mode it waits for the step before). On CUDA
+    also ``gpu_span_ms``: from the start of the step's forward on the manager's compute stream
+    to its end (``ModelRunner.compute_batch``, CUDA events), the device's share of the step."""
+    from transformers.generation.continuous_batching import model_runner
+
     rows: list[dict] = []
     originals = {name: getattr(ContinuousBatchProcessor, name) for name in STEP_METHODS}
+    compute_batch = model_runner.ModelRunner.compute_batch
+    spans = []  # (row, start event, end event), read once the block is over
+
+    def timed_compute(runner, *args, **kwargs):
+        stream = getattr(runner.inputs_and_outputs, "compute_stream", None)
+        if stream is None or not rows:
+            return compute_batch(runner, *args, **kwargs)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record(stream)
+        out = compute_batch(runner, *args, **kwargs)
+        end.record(stream)
+        spans.append((rows[-1], begin, end))
+        return out
 
     def wrap(name):
         fn = originals[name]
@@ -357,11 +376,17 @@ def step_log():
 
     for name in STEP_METHODS:
         setattr(ContinuousBatchProcessor, name, wrap(name))
+    model_runner.ModelRunner.compute_batch = timed_compute
     try:
         yield rows
     finally:
         for name, fn in originals.items():
             setattr(ContinuousBatchProcessor, name, fn)
+        model_runner.ModelRunner.compute_batch = compute_batch
+        if spans:
+            torch.cuda.synchronize()
+            for row, begin, end in spans:
+                row["gpu_span_ms"] = begin.elapsed_time(end)
 
 
 def step_summary(rows: list[dict]) -> dict:
@@ -379,6 +404,8 @@ def step_summary(rows: list[dict]) -> dict:
     out["decode_host_ms_p50"] = float(np.median(host)) if host else None
     # Per method, so two releases' steps can be told apart by where their host time goes.
     out["decode_method_ms_p50"] = {k: float(np.median([a.get(k, 0.0) for a, _ in pairs])) for k in STEP_MS} if pairs else None
+    gpu = [a["gpu_span_ms"] for a, _ in pairs if "gpu_span_ms" in a]
+    out["decode_gpu_span_ms_p50"] = float(np.median(gpu)) if gpu else None
     out["decode_wall_ms_p50"] = float(np.median(wall)) if wall else None
     out["decode_wall_ms_quantiles"] = quantiles(wall)
     return out
@@ -773,7 +800,8 @@ def log_run(run: Run) -> None:
             f"host ms: prepare {fmt(st['prepare_ms'], 0)}, "
             f"step {fmt(st['generation_step_ms'], 0)}, update {fmt(st['update_batch_ms'], 0)}; "
             f"a decode-only step: host {fmt(st['decode_host_ms_p50'], 2)} ms, wall {fmt(st['decode_wall_ms_p50'], 2)} ms "
-            f"(medians; prepare / step / update {_method_ms(st.get('decode_method_ms_p50'))})")
+            f"(medians; prepare / step / update {_method_ms(st.get('decode_method_ms_p50'))}; "
+            f"GPU span {fmt(st.get('decode_gpu_span_ms_p50'), 2)} ms)")
 
 
 def _method_ms(per_method: dict | None) -> str:

@@ -97,6 +97,7 @@ def test_m3_shapes_with_cuda_graphs(tmp_path):
     assert m["status"] == "ok" and m["failed"] == [] and m["check"]["tolerance"] > 0, m
     assert m["steps"]["decode_steps"] > 0, m["steps"]  # the block-table path ran
     assert 0 < m["steps"]["decode_host_ms_p50"] <= m["steps"]["decode_wall_ms_p50"], m["steps"]
+    assert 0 < m["steps"]["decode_gpu_span_ms_p50"] <= m["steps"]["decode_wall_ms_p50"], m["steps"]
     assert m["output_tokens"] == 6 * 24
 
 
@@ -245,7 +246,11 @@ def test_step_summary_gives_a_decode_steps_host_and_wall_time():
 
     rows = [row(False, 9.0, 0.0), row(True, 1.0, 0.010), row(True, 2.0, 0.014), row(True, 1.5, 0.020),
             row(False, 7.0, 0.023), row(True, 3.0, 0.040)]
+    assert import_bench_serve().step_summary(rows)["decode_gpu_span_ms_p50"] is None  # no CUDA events
+    for r, span in zip(rows, (8.0, 0.5, 0.9, 0.7, 6.0, 2.0)):
+        r["gpu_span_ms"] = span
     summary = import_bench_serve().step_summary(rows)
+    assert summary["decode_gpu_span_ms_p50"] == pytest.approx(0.7)  # of the decode pairs' first steps
     # Decode pairs: (1, 2) host 1.0 wall 4 ms, (2, 3) host 2.0 wall 6 ms; step 3 is followed by a mixed step.
     assert summary["decode_host_ms_p50"] == pytest.approx(1.5)
     assert summary["decode_wall_ms_p50"] == pytest.approx(5.0)
