@@ -53,9 +53,10 @@ runs of consecutive fast-path (decode-only) steps it also holds their medians: a
 (its three methods together, ``decode_host_ms_p50``, and each alone, ``decode_method_ms_p50``),
 the device span of its forward on CUDA (``decode_gpu_span_ms_p50``) and the wall ms from its
 start to the next step's (``decode_wall_ms_p50``; its p10-p90 in ``decode_wall_ms_quantiles``).
-The host ms include waits for the device (in sync mode ``_generation_step`` waits for the
-step's tokens), so it is the GPU span that tells a step held by the device (a span close to the
-wall ms) from one held by the host (a span well below it). ``--stub-model`` replaces each step's
+The host ms include waits for the device (``update_batch`` waits for the step before in async
+mode, the manager's default with CUDA graphs; ``_generation_step`` for its own tokens in sync
+mode), so it is the GPU span that tells a step held by the device (a span close to the wall
+ms) from one held by the host (a span well below it). ``--stub-model`` replaces each step's
 forward pass and sampling by a fixed token, so the steps' figures are the manager's own host
 bookkeeping as the installed transformers does it (the schedule does not depend on the tokens).
 

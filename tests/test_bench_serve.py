@@ -97,7 +97,7 @@ def test_m3_shapes_with_cuda_graphs(tmp_path):
     assert m["status"] == "ok" and m["failed"] == [] and m["check"]["tolerance"] > 0, m
     assert m["steps"]["decode_steps"] > 0, m["steps"]  # the block-table path ran
     assert 0 < m["steps"]["decode_host_ms_p50"] <= m["steps"]["decode_wall_ms_p50"], m["steps"]
-    assert 0 < m["steps"]["decode_gpu_span_ms_p50"] <= m["steps"]["decode_wall_ms_p50"], m["steps"]
+    assert m["steps"]["decode_gpu_span_ms_p50"] > 0, m["steps"]  # CUDA events around each step's forward
     assert m["output_tokens"] == 6 * 24
 
 
@@ -238,8 +238,8 @@ def test_scheduler_flag_reaches_the_manager_config():
 
 def test_step_summary_gives_a_decode_steps_host_and_wall_time():
     """Runs of decode-only steps: the median of each step's host ms (its three methods, together
-    and each alone) and of the wall ms from its start to the next step's; other steps count in
-    neither."""
+    and each alone), of its forward's GPU span where recorded and of the wall ms from its start
+    to the next step's; other steps count in none."""
     def row(fast, host, start_s):
         return {"q_tokens": 2 if fast else 64, "requests": 2, "decode_fast_path": fast, "prepare_ms": host / 2,
                 "generation_step_ms": host / 4, "update_batch_ms": host / 4, "start": start_s}
