@@ -291,6 +291,19 @@ MUTATIONS = (
         what="a request's kept row of the decode block table is copied after its blocks changed",
     ),  # fmt: skip
     Mutation(
+        name="sdpa_prefill_scale", path="dense/attention_sdpa.py",
+        old="is_causal=True, scale=scale,", new="is_causal=True, scale=scale * 1.05,",
+        tests=("tests/test_sdpa_prefill.py::test_prefill_on_sdpa_matches_the_pages",),
+        what="a prefill on sdpa scales its scores wrongly",
+    ),  # fmt: skip
+    Mutation(
+        name="sdpa_prefill_after_history", path="hf/cache.py",
+        old="empty = attention_mask is None and not _in_graph() and self._host_slots == 0",
+        new="empty = attention_mask is None and not _in_graph()",
+        tests=("tests/test_sdpa_prefill.py::test_a_history_padding_or_fp8_pages_keep_the_pages",),
+        what="a step with a history attends to its new tokens alone",
+    ),  # fmt: skip
+    Mutation(
         name="step_segments_unreserved", path="hf/serving_layout.py",
         old="segment_bytes = api.kvouter_bytes_per_segment() * rows * per_row", new="segment_bytes = 0.0",
         tests=("tests/test_serving_memory.py::test_no_mask_nor_read_back_is_reserved",),

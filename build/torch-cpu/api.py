@@ -33,6 +33,7 @@ from .decode.attention import sparse_decode_attention_torch
 from .decode.plan import DEFAULT_CONFIG as DECODE_DEFAULTS
 from .decode.plan import DecodeConfig
 from .dense.attention import dense_paged_attention_torch
+from .dense.attention_sdpa import causal_prefill_sdpa  # noqa: F401 - the integration's, with sdpa_prefill_reason
 from .dense.plan import DEFAULT_CONFIG as DENSE_DEFAULTS
 from .dense.plan import DenseConfig
 from .index.plan import DEFAULT_CONFIG as INDEX_DEFAULTS
@@ -723,6 +724,16 @@ def dense_paged_attention_kernel(args: AttnArgs, *, config: DenseConfig | None =
     or "torch" (host facts only; raises where the op would, for a pinned kernel that
     cannot run the call)."""
     return dispatch.dense_kernel(args, config or DENSE_DEFAULTS)
+
+
+def sdpa_prefill_reason(new_q: torch.Tensor, new_k: torch.Tensor, **paged) -> str | None:
+    """Why :func:`causal_prefill_sdpa` does not run a causal dense prefill with no history and
+    no padding (``dispatch.sdpa_prefill_reason``), None when it does. ``new_q`` [B, Hq, S, D]
+    and ``new_k`` [B, Hkv, S, D] are the step's own; ``paged``: :func:`dense_paged_attention`'s
+    arguments for the same call over the pages, whose kernel it would replace."""
+    kernel = dense_paged_attention_kernel(**paged)
+    kv_fp8 = paged["k_cache"].dtype == torch.float8_e4m3fn
+    return dispatch.sdpa_prefill_reason(new_q, new_k, kernel, DENSE_DEFAULTS, kv_fp8)
 
 
 __all__ = [

@@ -13,7 +13,9 @@
   ``M3_SPARSE_CAPABILITY`` overrides for tests.
 * the dense op's third kernel, flash-attn-4, wherever it is installed and takes the call
   (``dense_kernel``); ``M3_SPARSE_DENSE_IMPL`` (or ``DenseConfig.impl``) pins one of the
-  three for that op alone.
+  three for that op alone. A prefill with no history whose new K/V the integration holds
+  contiguous runs on torch's fused sdpa where the op would run its Triton kernel
+  (``sdpa_prefill_reason``).
 * per kernel, why it cannot take a call (``*_unsupported``), and on sm_90 which of two
   kernels of a stage runs (``index_engine``, ``partials_engine``);
 * the decode / KV-outer crossover of ``sparse_attention`` (``decode_max_queries``), and
@@ -281,6 +283,37 @@ def dense_kernel(args: AttnArgs, cfg: dense_plan.DenseConfig) -> str:
     ):
         return "fa4"
     return "triton" if use_triton(args.q, dense_unsupported(args), chosen) else "torch"
+
+
+def sdpa_prefill_reason(q: torch.Tensor, k: torch.Tensor, kernel: str, cfg: dense_plan.DenseConfig,
+                        kv_fp8: bool) -> str | None:
+    """Why a causal dense prefill with no history and no padding, whose new K/V are at hand
+    as contiguous ``[B, Hkv, S, D]`` tensors, does not run on torch's fused sdpa kernels
+    (``dense/attention_sdpa.py``) instead of ``kernel``, the dense op's choice for the same
+    call over the pages; None when it does.
+
+    It does where the op would run its Triton kernel unpinned: on CUDA, without
+    flash-attn-4 taking the call (its prefill beats cuDNN), bf16 or fp16 pages, and a fused
+    sdpa kernel (cuDNN, flash or memory-efficient, never the math path's ``[Hq, S, S]``
+    scores) that takes these shapes. cuDNN on contiguous K/V beat the Triton kernel on the
+    pages at 32K and 128K (docs/PERF.md, "Dense paged attention"). Host facts only."""
+    if kernel != "triton":
+        return f"the dense op runs {kernel!r}"
+    if requested_dense_impl(cfg.impl)[0] != "auto":
+        return "the dense kernel is pinned"
+    if q.device.type != "cuda" or interpreting():
+        return "not on CUDA"
+    if kv_fp8:
+        return "fp8 pages: the attention reads what they hold"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return f"{q.dtype} queries and {k.dtype} keys (measured: bf16)"
+    from torch.backends import cuda as backends
+
+    params = backends.SDPAParams(q, k, k, None, 0.0, True, q.shape[1] != k.shape[1])
+    checks = ("can_use_cudnn_attention", "can_use_flash_attention", "can_use_efficient_attention")
+    if not any(getattr(backends, check, lambda *_: False)(params, False) for check in checks):
+        return "no fused sdpa kernel takes these shapes"
+    return None
 
 
 # Query rows per sequence up to which the query-outer decode kernel beats KV-outer, measured

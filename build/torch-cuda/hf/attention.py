@@ -15,7 +15,9 @@ Data flow for one sparse layer of ``MiniMaxM3VLAttention`` (transformers' own mo
    ``m3_sparse.sparse_attention`` on the pages (the decode kernel or KV-outer, chosen from
    the step's query length), and ``dense_paged_attention`` for full-attention layers,
    for sparse layers whose history every query selects whole, and, bidirectional, for
-   the vision tower.
+   the vision tower. A causal dense prefill into an empty cache with no padding reads the
+   new K/V as written instead of the pages, on torch's fused sdpa where the dense op would
+   run its Triton kernel (``api.sdpa_prefill_reason``).
 
 Padding: before the layers run, the wrapped ``create_causal_mask`` hands the forward
 pass's 2-D padding mask to the paged cache (``M3PagedCache.begin_step``), which places
@@ -313,7 +315,11 @@ def m3_sparse_attention(
             raise ValueError("m3_sparse: key and value are not the page pools of the cache layer passed with them")
         k_pool, v_pool = key, value
         tables, cu, kv_lens = layer.step_metadata()
+        new_kv = layer.take_new_kv()
     else:
+        # Keys of the new tokens alone (eager: a compiled forward keeps its ops opaque).
+        fresh = attention_mask is None and key.shape[2] == q_len and not torch.compiler.is_compiling()
+        new_kv = (key, value) if fresh else None
         if not causal and attention_mask is not None:
             raise ValueError("m3_sparse: bidirectional attention takes no padding mask")
         if causal:
@@ -350,6 +356,8 @@ def m3_sparse_attention(
             )
         else:
             out, _ = _op("sparse_attention", **sparse)
+    elif causal and new_kv is not None and api.sdpa_prefill_reason(query, new_kv[0], **paged) is None:
+        return api.causal_prefill_sdpa(query, *new_kv, scaling), None
     elif _planned(layer):
         out, _ = _run_plan(
             layer, "dense_paged_attention", (q, k_pool, v_pool), (scaling, causal, tuple(fp8.values())),

@@ -324,7 +324,18 @@ class M3PagedLayer(CacheLayerMixin):
         fp8 = self.cache.kv_cache_dtype is not None
         self._write(self.keys, key_states, self.cache.k_scale if fp8 else None)
         self._write(self.values, value_states, self.cache.v_scale if fp8 else None)
+        new_kv = self.cache._step["new_kv"]
+        if new_kv is not None and not fp8:
+            new_kv[self.layer_idx] = (key_states, value_states)
         return self.keys, self.values
+
+    def take_new_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's K/V as written, ``[B, Hkv, S, D]`` each, when the step began on an
+        empty cache with no padding and the pages hold them unquantized: then they are every
+        key of the step's attention, in order (None otherwise). Handed out once, so a layer's
+        new K/V live no longer than its attention."""
+        step = self.cache._step
+        return None if step is None or step["new_kv"] is None else step["new_kv"].pop(self.layer_idx, None)
 
     def kv_scale_args(self) -> dict:
         """The dequantization scales the attention ops need for this layer's pools ({} unless
@@ -634,6 +645,9 @@ class M3PagedCache(Cache):
             device = attention_mask.device if attention_mask is not None else self.block_tables.device
         if not torch.compiler.is_compiling():
             self._reserve(q_len)
+        # An eager step into an empty cache with no padding: every sequence's keys are its new
+        # tokens', which the layers keep for the attention (``M3PagedLayer.take_new_kv``).
+        empty = attention_mask is None and not _in_graph() and self._host_slots == 0
         lead, real = new_token_layout(attention_mask, self.max_batch, q_len, device)
         n = self._lengths_on(device)
         device = n["seq_lens"].device
@@ -662,7 +676,7 @@ class M3PagedCache(Cache):
         layers = len(self.layers)
         self._step = {
             "q_len": q_len, "device": device, "page": page, "slot": slot, "cu": cu, "copies": {}, "rows": {},
-            "metadata": {},
+            "metadata": {}, "new_kv": {} if empty else None,
             "updated": [False] * layers, "indexed": [False] * layers,
             "config": None if config is None else (config, getattr(config, "_attn_implementation", None)),
         }
