@@ -1,8 +1,8 @@
 """A causal dense prefill into an empty cache with no padding reads the new K/V as written,
-on torch's fused sdpa kernels, where the dense op would run its Triton kernel
-(``api.sdpa_prefill_reason`` asks ``dispatch.sdpa_prefill_reason``; ``dense/attention_sdpa.py``). On the CPU dispatch never
-sends a call there; these tests force it and compare with the paged path (the oracle), then
-check that no other step takes it."""
+on torch's fused sdpa kernels (``dense/attention_sdpa.py``), where the dense op would run its
+Triton kernel (``api.sdpa_prefill_reason`` asks ``dispatch.sdpa_prefill_reason``). On the CPU
+dispatch never sends a call there; these tests force it and compare with the paged path (the
+oracle), then check that no other step takes it."""
 
 from __future__ import annotations
 
