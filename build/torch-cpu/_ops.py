@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_2fb0f4b31f"
+NAMESPACE = "_m3_sparse_cpu_aa10a2494a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

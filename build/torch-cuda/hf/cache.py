@@ -325,15 +325,16 @@ class M3PagedLayer(CacheLayerMixin):
         self._write(self.keys, key_states, self.cache.k_scale if fp8 else None)
         self._write(self.values, value_states, self.cache.v_scale if fp8 else None)
         new_kv = self.cache._step["new_kv"]
-        if new_kv is not None and not fp8:
+        if new_kv is not None and key_states.dtype == self.keys.dtype:  # what the pages hold, unrounded
             new_kv[self.layer_idx] = (key_states, value_states)
         return self.keys, self.values
 
     def take_new_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's K/V as written, ``[B, Hkv, S, D]`` each, when the step began on an
-        empty cache with no padding and the pages hold them unquantized: then they are every
-        key of the step's attention, in order (None otherwise). Handed out once, so a layer's
-        new K/V live no longer than its attention."""
+        empty cache with no padding and the pages hold them in their own dtype (not fp8, not
+        rounded to another float type): then they are every key of the step's attention, in
+        order (None otherwise). Handed out once, so a layer's new K/V live no longer than its
+        attention."""
         step = self.cache._step
         return None if step is None or step["new_kv"] is None else step["new_kv"].pop(self.layer_idx, None)
 
