@@ -122,6 +122,7 @@ def measure(n, budget, dense_max, kind="bf16", index_scale="token"):
 STAGES = (
     ("_chunk_rank_kernel", "build"),
     ("_chunk_scan_kernel", "build"),
+    ("_segment_prefix_kernel", "build"),  # the segment offsets, and the schedule's tile prefix
     ("_scatter_kernel", "build"),
     ("_emit_tiles_kernel", "schedule"),
     ("_kvouter_partials_kernel", "partials"),

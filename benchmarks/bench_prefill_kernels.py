@@ -34,7 +34,7 @@ import bench_generate as bg  # noqa: E402
 # Kernel name patterns, first match wins. The twin's sdpa kernels (cuDNN's "fprop", flash,
 # memory-efficient), flash-attn-4's and the package's dense kernel are dense attention.
 GROUPS = (
-    ("kvouter", re.compile(r"_kvouter_|_combine_kernel|_chunk_rank|_chunk_scan|_scatter_kernel|_emit_tiles")),
+    ("kvouter", re.compile(r"_kvouter_|_combine_kernel|_chunk_rank|_chunk_scan|_segment_prefix|_scatter_kernel|_emit_tiles")),
     ("index", re.compile(r"_index_")),
     ("dense_attention", re.compile(r"_dense_paged|sdpa|fmha|flash|attention", re.IGNORECASE)),
 )

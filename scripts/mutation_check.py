@@ -291,6 +291,19 @@ MUTATIONS = (
         what="a request's kept row of the decode block table is copied after its blocks changed",
     ),  # fmt: skip
     Mutation(
+        name="tile_prefix_rounds_down", path="kvouter/build_triton.py",
+        old="b_t = (b_n + tile_q - 1) // tile_q", new="b_t = b_n // tile_q",
+        tests=(K + "test_triton_kvouter_index.py::test_prefix_pass_in_several_steps",
+               K + "test_triton_kvouter_index.py::test_matches_torch_builder_and_scheduler"),
+        what="the prefix pass counts a segment's partial last tile out",
+    ),  # fmt: skip
+    Mutation(
+        name="segment_prefix_drops_its_carry", path="kvouter/build_triton.py",
+        old="carry_e += tl.sum(b_n, 0)", new="carry_e += 0",
+        tests=(K + "test_triton_kvouter_index.py::test_prefix_pass_in_several_steps",),
+        what="the prefix pass restarts the segment offsets at every step of PREFIX_SEGMENTS",
+    ),  # fmt: skip
+    Mutation(
         name="sdpa_prefill_scale", path="dense/attention_sdpa.py",
         old="is_causal=True, scale=scale,", new="is_causal=True, scale=scale * 1.05,",
         tests=("tests/test_sdpa_prefill.py::test_prefill_on_sdpa_matches_the_pages",),

@@ -24,6 +24,7 @@ import bench_prefill_kernels as bpk  # noqa: E402
     ("_combine_kernel", "kvouter"),
     ("_chunk_rank_kernel", "kvouter"),
     ("_chunk_scan_kernel", "kvouter"),
+    ("_segment_prefix_kernel", "kvouter"),
     ("_scatter_kernel", "kvouter"),
     ("_emit_tiles_kernel", "kvouter"),
     ("_index_topk_kernel", "index"),

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_aa10a2494a"
+NAMESPACE = "_m3_sparse_cuda_25d5ff2680"
 
 ops = getattr(torch.ops, NAMESPACE)
 

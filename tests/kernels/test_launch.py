@@ -250,7 +250,7 @@ def test_direct_dense_launches_match_triton_launches(monkeypatch, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_direct_kvouter_launches_match_triton_launches(monkeypatch):
-    """A KV-outer call's tl kernels (the index build's three passes, the schedule, the tl
+    """A KV-outer call's tl kernels (the index build's four passes, the schedule, the tl
     partials, the combine) and the dense path's page-tail kernel, launched directly after
     their first call, give what launches through Triton give, bit for bit."""
     from m3_sparse.dense import tails_triton
@@ -273,8 +273,8 @@ def test_direct_kvouter_launches_match_triton_launches(monkeypatch):
         return out, lse, cleared
 
     first, again = run(), run()
-    kernels = [build_triton._chunk_rank_kernel, build_triton._chunk_scan_kernel, build_triton._scatter_kernel,
-               schedule_triton._emit_tiles_kernel, partials_triton._kvouter_partials_kernel,
+    kernels = [build_triton._chunk_rank_kernel, build_triton._chunk_scan_kernel, build_triton._segment_prefix_kernel,
+               build_triton._scatter_kernel, schedule_triton._emit_tiles_kernel, partials_triton._kvouter_partials_kernel,
                combine_triton._combine_kernel, tails_triton._clear_page_tails_kernel]
     for kernel in kernels:
         if launch._cache_for(kernel) is not None:

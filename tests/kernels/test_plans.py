@@ -99,6 +99,49 @@ def test_a_kvouter_plan_runs_like_the_op_and_keeps_no_call_tensors(impl, monkeyp
         assert torch.equal(out, want) and torch.equal(lse, want_lse), f"step {step}"
 
 
+def test_a_kvouter_plan_run_issues_its_launches_and_few_torch_calls(monkeypatch):
+    """What a prefill's KV-outer run asks of the host besides its seven kernel launches (the
+    index build's four passes, the schedule, the partials, the combine): two torch calls that
+    run on the device (the index arrays' -1 fill and the zeroed count matrix) and six
+    allocations; no cumsum or elementwise op, no copy, nothing read back (the kernels are
+    stubbed out here: what runs is the host's part alone)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from m3_sparse import dispatch
+    from m3_sparse.kvouter import build_triton, combine_triton, partials_triton, schedule_triton
+
+    monkeypatch.setenv("M3_SPARSE_IMPL", "triton")
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES", 4)
+    monkeypatch.setattr(dispatch, "DECODE_MAX_QUERIES_TL", 4)
+    g = gen(19)
+    batch = make_batch(g, [(90, 41)], PAGE)
+    tables, cu, kv_lens = _to(batch.block_tables, batch.cu_seqlens_q, batch.used_kv_lens)
+    q, k, v, sel = _attention_call(g, batch, torch.bfloat16)
+    plan = m3_sparse.plan_sparse_attention(q, k, v, sel, tables, cu_seqlens_q=cu, used_kv_lens=kv_lens,
+                                           block_size=BLOCK).release(keep_scratch=False)
+    launched = []
+    for module in (build_triton, schedule_triton, partials_triton, combine_triton):
+        monkeypatch.setattr(module, "launch_kernel", lambda fn, grid, *a, **kw: launched.append(fn.__name__))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        plan.run(q, k, v, sel)
+    assert launched == ["_chunk_rank_kernel", "_chunk_scan_kernel", "_segment_prefix_kernel", "_scatter_kernel",
+                        "_emit_tiles_kernel", "_kvouter_partials_kernel", "_combine_kernel"]
+    views = {"view.default", "slice.Tensor", "select.int", "alias.default", "as_strided.default"}
+    work = [n for n in ops.names if n not in views]
+    assert sorted(n for n in work if not n.startswith("empty")) == ["full.default", "zeros.default"], work
+    assert sum(n.startswith("empty") for n in work) == 6, work
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "made_per_run"])
 def test_a_released_plan_keeps_its_scratch_only_when_asked(keep):
     """A decode step's plan keeps its split workspaces between runs; a prefill's

@@ -66,15 +66,25 @@ def assert_same_schedule(ref, got):
 
 
 def check(sel, cu, max_blocks, chunk_tokens=None, schedules=((1, 1), (4, 3), (8, 16))):
+    """Each builder and scheduler path against the torch ones: the index alone, then each
+    schedule made from it, and as a KV-outer call makes both (the build's prefix pass writing
+    the tile prefix the scheduler takes)."""
     sel, cu = sel.to(DEVICE), cu.to(DEVICE)
     ref = m3_sparse.build_kvouter_index(sel, cu_seqlens_q=cu, max_blocks=max_blocks)
     with poisoned_allocations():
         got = tidx.build_kvouter_index_triton(sel, cu_seqlens_q=cu, max_blocks=max_blocks, chunk_tokens=chunk_tokens)
     assert_same_index(ref, got)
+    launch = tidx.build_launch(*sel.shape, cu.shape[0] - 1, max_blocks, chunk_tokens)
     for tile_q, programs in schedules:
+        want = m3_sparse.schedule(ref, tile_q=tile_q, num_programs=programs)
         with poisoned_allocations():
             sched = tsched.schedule_triton(got, tile_q=tile_q, num_programs=programs)
-        assert_same_schedule(m3_sparse.schedule(ref, tile_q=tile_q, num_programs=programs), sched)
+        assert_same_schedule(want, sched)
+        with poisoned_allocations():
+            fused, tile_base = launch.run_with_tiles(sel, cu, tile_q)
+            sched = tsched.ScheduleLaunch(fused.capacity, fused.num_segments, tile_q, programs).run(fused, tile_base)
+        assert_same_index(ref, fused)
+        assert_same_schedule(want, sched)
     return got
 
 
@@ -116,6 +126,16 @@ def test_int64_sort_keys(seed, monkeypatch):
     monkeypatch.setattr(tidx, "KEY32_LIMIT", 1)
     q_lens, hkv, topk, max_blocks = [21, 5], 2, 6, 11
     check(random_selection(gen(seed), sum(q_lens), hkv, topk, max_blocks), cu_of(q_lens), max_blocks, 4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_pass_in_several_steps(seed, monkeypatch):
+    # The prefix pass walks the segments PREFIX_SEGMENTS at a time, carrying both sums from
+    # step to step; lower the step so that 2 x 3 x 13 = 78 segments take five of them.
+    monkeypatch.setattr(tidx, "PREFIX_SEGMENTS", 16)
+    q_lens, hkv, topk, max_blocks = [14, 0, 9], 2, 5, 13
+    check(random_selection(gen(seed), sum(q_lens), hkv, topk, max_blocks), cu_of(q_lens), max_blocks, 4,
+          schedules=((1, 3), (3, 7)))
 
 
 def test_hot_block_and_empty_rows():

@@ -19,9 +19,10 @@ over fixed-size tiles suffice:
 3. ``_scatter_kernel``: entry = segment offset + chunk prefix + rank; writes the entry
    arrays and turns the ranks in ``slot_of`` into entry ids.
 
-Segment offsets are a cumsum of the totals between passes 2 and 3. Every size comes from
-shapes on the host; the chunk -> sequence map is computed inside the kernels from
-``cu_seqlens_q``, so nothing is read back.
+Between passes 2 and 3, ``_segment_prefix_kernel`` turns the totals into the segment
+offsets; a KV-outer call (``BuildLaunch.run_with_tiles``) has the same pass write the
+scheduler's tile prefix too. Every size comes from shapes on the host; the chunk -> sequence
+map is computed inside the kernels from ``cu_seqlens_q``, so nothing is read back.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 import torch
 
-from ..core.launch import contiguous, launch_kernel, next_pow2
+from ..core.launch import contiguous, int32_parts, launch_kernel, next_pow2
 from ..core.validate import check_positive_int
 from .build import KVOuterIndex, validate_build
 
@@ -47,6 +48,7 @@ MAX_COUNT_CELLS = 1 << 26
 MAX_CHUNK_ENTRIES = 4096
 SCAN_BLOCKS = 32  # blocks per program of the scan pass
 SCAN_CHUNKS = 64  # chunks per step of the scan pass
+PREFIX_SEGMENTS = 1024  # segments per step of the prefix pass
 # The rank and scatter passes unroll their loops over a row's slots up to this (padded) top-k;
 # wider rows loop at run time (a full unroll of hundreds of slots takes minutes to compile).
 UNROLL_TOPK = 64
@@ -235,6 +237,63 @@ def _chunk_scan_kernel(
 
 
 @triton.jit
+def _segment_prefix_kernel(
+    src_ptr,
+    off_ptr,
+    tile_ptr,
+    num_segments,
+    tile_q,
+    FROM_OFFSETS: tl.constexpr,
+    TILES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: exclusive prefixes over the segments, index ``num_segments`` holding the
+    sum. ``src``: the segments' entry counts, whose prefix goes to ``off`` (the segment
+    offsets); or with FROM_OFFSETS the offsets themselves (``off`` is not written). With
+    TILES, ``tile`` gets the prefix of the segments' tile counts, ceil(entries / tile_q).
+
+    A single program, as the segments are few (Hkv x the blocks of every sequence: 256 at
+    8K, 32K at 1M tokens): one launch where torch needs a fill, a cumsum and the tile
+    arithmetic."""
+    offs = tl.arange(0, BLOCK)
+    first = offs == 0
+    if not FROM_OFFSETS:
+        tl.store(off_ptr + offs, tl.zeros([BLOCK], tl.int32), mask=first)
+    if TILES:
+        tl.store(tile_ptr + offs, tl.zeros([BLOCK], tl.int32), mask=first)
+    carry_e = tl.zeros([BLOCK], tl.int32)  # [BLOCK], every lane the sum so far
+    carry_t = tl.zeros([BLOCK], tl.int32)
+    for s0 in range(0, num_segments, BLOCK):
+        s = s0 + offs  # [BLOCK]
+        ok = s < num_segments
+        if FROM_OFFSETS:
+            b_n = tl.load(src_ptr + s + 1, mask=ok, other=0) - tl.load(src_ptr + s, mask=ok, other=0)
+        else:
+            b_n = tl.load(src_ptr + s, mask=ok, other=0)
+            tl.store(off_ptr + s + 1, carry_e + tl.cumsum(b_n, 0), mask=ok)
+            carry_e += tl.sum(b_n, 0)
+        if TILES:
+            b_t = (b_n + tile_q - 1) // tile_q
+            tl.store(tile_ptr + s + 1, carry_t + tl.cumsum(b_t, 0), mask=ok)
+            carry_t += tl.sum(b_t, 0)
+
+
+def segment_prefix(src: torch.Tensor, off: torch.Tensor | None, tile: torch.Tensor | None, tile_q: int = 0) -> None:
+    """Launch ``_segment_prefix_kernel``: ``off`` given, ``src`` holds the segments' entry
+    counts; else ``src`` holds their offsets. ``tile`` given: the tile prefix for tiles of
+    ``tile_q`` entries. All int32 and contiguous; ``off`` / ``tile`` one longer than the
+    segments."""
+    from_offsets = off is None
+    num_segments = src.shape[0] - 1 if from_offsets else src.shape[0]
+    launch_kernel(
+        _segment_prefix_kernel, (1,),
+        src, src if from_offsets else off, src if tile is None else tile, num_segments, max(tile_q, 1),
+        FROM_OFFSETS=from_offsets, TILES=tile is not None,
+        BLOCK=min(PREFIX_SEGMENTS, max(16, next_pow2(num_segments))), num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _scatter_kernel(
     sel_ptr,
     cu_ptr,
@@ -318,36 +377,53 @@ class BuildLaunch:
     def run(self, selected: torch.Tensor, cu_seqlens_q: torch.Tensor) -> KVOuterIndex:
         """The index of ``selected`` [Tq, Hkv, topk] (this launch's shape) over the sequences
         of ``cu_seqlens_q`` (int32 or int64; not checked here)."""
+        return self._run(selected, cu_seqlens_q, 0)[0]
+
+    def run_with_tiles(self, selected: torch.Tensor, cu_seqlens_q: torch.Tensor, tile_q: int):
+        """(``run``'s index, the scheduler's tile prefix [num_segments + 1] int32 for tiles of
+        ``tile_q`` entries): the pass that writes the segment offsets writes it too, where the
+        scheduler alone would spend five torch calls on it (``ScheduleLaunch.run`` takes it
+        as ``tile_base``)."""
+        check_positive_int("tile_q", tile_q)
+        return self._run(selected, cu_seqlens_q, tile_q)
+
+    def _run(self, selected, cu_seqlens_q, tile_q: int) -> tuple[KVOuterIndex, torch.Tensor | None]:
         hkv, topk, max_blocks, batch = self.hkv, self.topk, self.max_blocks, self.batch
         num_segments, cap, device = self.num_segments, self.capacity, selected.device
         # Rows 0-2: entry token / rank / segment, row 3: slot_of; -1 wherever nothing lands.
         arrays = torch.full((4, cap), -1, dtype=torch.int32, device=device)
-        seg_offsets = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
+        # The prefix pass writes every cell of the offsets (and of the tile prefix), the scan
+        # pass every total.
+        tiles = num_segments + 1 if tile_q else 0
+        seg_offsets, tile_base, totals = int32_parts(device, num_segments + 1, tiles, num_segments)
+        tile_base = tile_base if tile_q else None
         index = KVOuterIndex(
             seg_offsets=seg_offsets, entry_token=arrays[0], entry_rank=arrays[1], entry_segment=arrays[2],
             slot_of=arrays[3].view(self.num_tokens, hkv, topk), num_kv_heads=hkv, max_blocks=max_blocks,
             num_global_blocks=batch * max_blocks,
         )
         if cap == 0 or batch == 0:
-            return index
+            for t in (seg_offsets, tile_base):
+                if t is not None:
+                    t.zero_()
+            return index, tile_base
         # int32 offsets (the entry count is checked below 2^31): every loop bound is one type.
         (cu,) = contiguous(cu_seqlens_q.to(torch.int32))
         max_chunks, (rank_grid, scan_grid), rank, scan, common = self._settings
         counts = torch.zeros(max_chunks * hkv * max_blocks, dtype=torch.int32, device=device)
-        totals = torch.empty(num_segments, dtype=torch.int32, device=device)
         strides = selected.stride()
         launch_kernel(
             _chunk_rank_kernel, rank_grid, selected, cu, index.slot_of, counts, batch, hkv, topk, max_blocks, *strides,
             **rank,
         )
         launch_kernel(_chunk_scan_kernel, scan_grid, cu, counts, totals, batch, hkv, max_blocks, **scan)
-        torch.cumsum(totals, 0, dtype=torch.int32, out=seg_offsets[1:])
+        segment_prefix(totals, seg_offsets, tile_base, tile_q)
         launch_kernel(
             _scatter_kernel, rank_grid,
             selected, cu, counts, seg_offsets, index.slot_of, index.entry_token, index.entry_rank, index.entry_segment,
             batch, hkv, topk, max_blocks, *strides, **common,
         )  # fmt: skip
-        return index
+        return index, tile_base
 
 
 def build_launch(num_tokens: int, hkv: int, topk: int, batch: int, max_blocks: int, chunk_tokens: int | None = None):
@@ -389,4 +465,4 @@ def build_kvouter_index_triton(
     return build_launch(*selected.shape, batch, max_blocks, chunk_tokens).run(selected, cu_seqlens_q)
 
 
-__all__ = ["BuildLaunch", "build_kvouter_index_triton", "build_launch", "chunk_tokens_for"]
+__all__ = ["BuildLaunch", "build_kvouter_index_triton", "build_launch", "chunk_tokens_for", "segment_prefix"]

@@ -44,8 +44,8 @@ class KVOuterLaunch:
         into ``out`` / ``lse`` where given (views into larger buffers, as the sliced driver
         passes)."""
         args = self.args.replace(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected)
-        index = self.build.run(selected, args.cu_seqlens_q)
-        sched = self.schedule.run(index)
+        index, tile_base = self.build.run_with_tiles(selected, args.cu_seqlens_q, self.schedule.tile_q)
+        sched = self.schedule.run(index, tile_base)
         parts = run_partials(args, index, sched, self.cfg, self.engine)
         return combine_triton(
             *parts, index.slot_of, out_dtype=args.out_dtype, return_lse=args.return_lse, out=out, lse=lse,

@@ -1,8 +1,9 @@
 """Triton KV-outer scheduler: emit the tiles of every segment and the programs' tile ranges.
 
 Same contract and the same arrays, bit for bit, as :func:`schedule.schedule` (the oracle).
-The tile counts per segment and their prefix are a cumsum; one launch then writes every
-tile: one program per segment writes that segment's tiles (so a block chosen by all
+The prefix of the tile counts per segment comes from the index build's prefix pass
+(``BuildLaunch.run_with_tiles``), or from the same kernel over the segment offsets; one
+launch then writes every tile: one program per segment writes that segment's tiles (so a block chosen by all
 queries is just a longer run), trailing programs blank the unused tail, and program 0
 writes ``num_tiles`` and the balanced split ``program_tiles[p] = p * num_tiles // P``.
 Nothing is read back: the tail's extent is device data, handled by masks over the
@@ -17,9 +18,10 @@ import triton
 import triton.language as tl
 import torch
 
-from ..core.launch import launch_kernel, next_pow2
+from ..core.launch import int32_parts, launch_kernel, next_pow2
 from ..core.validate import check_positive_int
 from .build import KVOuterIndex
+from .build_triton import segment_prefix
 from .schedule import Schedule, max_tiles_for
 
 EMIT_TILES = 128  # tiles written per step of a segment's loop / per tail program
@@ -83,25 +85,30 @@ class ScheduleLaunch:
     def max_tiles(self) -> int:
         return max(1, max_tiles_for(self.capacity, self.num_segments, self.tile_q))
 
-    def run(self, index: KVOuterIndex) -> Schedule:
-        """The schedule of ``index`` (of this launch's sizes)."""
-        device, offs, max_tiles = index.seg_offsets.device, index.seg_offsets, self.max_tiles
+    def run(self, index: KVOuterIndex, tile_base: torch.Tensor | None = None) -> Schedule:
+        """The schedule of ``index`` (of this launch's sizes). ``tile_base``: the prefix of
+        the segments' tile counts for this launch's ``tile_q`` (tile_base[s] = first tile of
+        segment s), as ``BuildLaunch.run_with_tiles`` writes it; else made here from the
+        segment offsets."""
+        offs, max_tiles = index.seg_offsets, self.max_tiles
         tile_q, num_programs, num_segments = self.tile_q, self.num_programs, self.num_segments
-        # Tiles per segment, then their prefix (tile_base[s] = first tile of segment s).
-        tile_base = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
-        tiles = torch.div(offs[1:] - offs[:-1] + (tile_q - 1), tile_q, rounding_mode="floor")
-        torch.cumsum(tiles, 0, dtype=torch.int32, out=tile_base[1:])
-        tile_arrays = torch.empty(3, max_tiles, dtype=torch.int32, device=device)
-        num_tiles = torch.empty(1, dtype=torch.int32, device=device)
-        program_tiles = torch.empty(num_programs + 1, dtype=torch.int32, device=device)
+        # Every cell is written: by the prefix pass, or by the kernel below (the unused tail
+        # of the tile arrays blanked by its trailing programs).
+        parts = int32_parts(
+            offs.device, max_tiles, max_tiles, max_tiles, 1, num_programs + 1, 0 if tile_base is not None else num_segments + 1
+        )
+        tile_segment, tile_start, tile_end, num_tiles, program_tiles = parts[:5]
+        if tile_base is None:
+            tile_base = parts[5]
+            segment_prefix(offs, None, tile_base, tile_q)
         launch_kernel(
             _emit_tiles_kernel, (num_segments + triton.cdiv(max_tiles, EMIT_TILES),),
-            offs, tile_base, tile_arrays[0], tile_arrays[1], tile_arrays[2], num_tiles, program_tiles,
+            offs, tile_base, tile_segment, tile_start, tile_end, num_tiles, program_tiles,
             num_segments, max_tiles, tile_q, num_programs,
             BT=EMIT_TILES, BP=next_pow2(num_programs + 1), num_warps=4,
         )  # fmt: skip
         return Schedule(
-            tile_segment=tile_arrays[0], tile_start=tile_arrays[1], tile_end=tile_arrays[2], num_tiles=num_tiles,
+            tile_segment=tile_segment, tile_start=tile_start, tile_end=tile_end, num_tiles=num_tiles,
             program_tiles=program_tiles, tile_q=tile_q,
         )
 

@@ -115,6 +115,22 @@ def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
+# Where int32_parts carves one allocation, every part starts on this many elements (128
+# bytes): each keeps the pointer alignment Triton specializes on, and coalesced loads.
+PART_ALIGN = 32
+
+
+def int32_parts(device: torch.device, *lengths: int) -> list[torch.Tensor]:
+    """Contiguous int32 vectors of ``lengths`` elements (uninitialized), carved from one
+    ``torch.empty``: a launcher that needs several small index arrays pays one allocation."""
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += -(-n // PART_ALIGN) * PART_ALIGN
+    buf = torch.empty(max(total, 1), dtype=torch.int32, device=device)
+    return [buf[s : s + n] for s, n in zip(starts, lengths)]
+
+
 def fp8_flags(q: torch.Tensor, k_cache: torch.Tensor, scales, out_dtype, entry: str):
     """(q is fp8, the caches are fp8, output dtype) of a launcher's inputs; fp8 inputs need
     the fp32 [3] scales of ``core.validate.check_quant`` (``entry`` names the public op)."""
