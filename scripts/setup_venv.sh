@@ -19,6 +19,10 @@
 # (transformers, kernels, huggingface_hub, kernels-data, ...). pip installs into the
 # venv it runs in and leaves .venv's copies alone ("outside environment").
 #
+# Before it installs a torch it checks the free space where the venv goes and in pip's
+# temporary directory (M3_SETUP_MIN_FREE_MB, default MIN_FREE_MB below) and stops with what it
+# found: a full disk otherwise fails inside pip, halfway, and then the CPU-index retry fails too.
+#
 # After an install it writes a stamp in the venv for these arguments, holding a hash of
 # pyproject.toml, the torch spec and the pins. With --if-changed nothing is installed
 # while that stamp matches and the venv still finds torch, transformers, kernels and
@@ -75,6 +79,9 @@ VPY="$VENV/bin/python"
 # on its own would make pip pick a CUDA build of several GB.
 TORCH_SPEC="torch==2.13.0"
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+# What a new .venv takes (torch's CPU build 0.75 GB, Triton 1 GB, the rest 0.3 GB), with room
+# for pip to unpack the torch wheel first.
+MIN_FREE_MB="${M3_SETUP_MIN_FREE_MB:-3072}"
 
 args_id=$(echo "$end $spec $*" | sha256sum | cut -c1-12)
 STAMP="$VENV/.m3-setup-$args_id"
@@ -145,9 +152,22 @@ if [[ ! -e "$VENV" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 
+check_free_space() {
+    local dir free
+    for dir in "$PWD" "${TMPDIR:-/tmp}"; do
+        free=$(df -Pm "$dir" | awk 'NR == 2 {print $4}')
+        if [[ -n "$free" && "$free" -lt "$MIN_FREE_MB" ]]; then
+            echo "setup_venv.sh: $free MiB free on $dir; a new $VENV with torch needs about $MIN_FREE_MB MiB there" \
+                "(and in pip's temporary directory, TMPDIR): free some space and run again" >&2
+            exit 1
+        fi
+    done
+}
+
 rm -f "$STAMP"
 # A torch that is already there (a GPU machine's, say) is kept.
 if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
+    check_free_space
     if ! pip_install "$TORCH_SPEC"; then
         echo "setup_venv.sh: $TORCH_SPEC not installable, trying the PyTorch CPU index" >&2
         pip_install --index-url "$TORCH_CPU_INDEX" torch

@@ -221,6 +221,23 @@ def test_ci_runs_the_test_command_without_arguments(repo):
     assert of(calls, "pytest") == [PARALLEL, ["-m", "both_ends", *PARALLEL]]
 
 
+def test_a_torch_install_without_the_space_for_it_stops_before_pip(repo):
+    """Where a new torch must go in and the disk lacks room, the script says how much is free
+    and stops: no pip call that would fail halfway, no retry on the network index."""
+    site = Path(subprocess.check_output(
+        [repo / ".venv" / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True,
+    ).strip())
+    shutil.rmtree(site / "torch")
+    rc, out, calls = run(repo, "--newest", ".[test]", script="scripts/setup_venv.sh", M3_SETUP_MIN_FREE_MB=str(1 << 40))
+    assert rc == 1, out
+    assert re.search(r"setup_venv\.sh: \d+ MiB free on .*; a new \.venv with torch needs about \d+ MiB", out), out
+    assert of(calls, "pip") == []
+    # With the room it asks for, the same run installs torch, then the project.
+    rc, out, calls = run(repo, "--newest", ".[test]", script="scripts/setup_venv.sh", M3_SETUP_MIN_FREE_MB="1")
+    assert rc == 0, out
+    assert [args[-1] for args in of(calls, "pip")][:1] == ["torch==2.13.0"]
+
+
 def test_the_pinned_ends_are_the_ends_of_pyprojects_ranges():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     ranges = {Requirement(d).name.replace("-", "_"): Requirement(d).specifier for d in deps}
