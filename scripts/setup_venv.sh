@@ -19,9 +19,9 @@
 # (transformers, kernels, huggingface_hub, kernels-data, ...). pip installs into the
 # venv it runs in and leaves .venv's copies alone ("outside environment").
 #
-# Before it installs a torch it checks the free space where the venv goes and in pip's
-# temporary directory (M3_SETUP_MIN_FREE_MB, default MIN_FREE_MB below) and stops with what it
-# found: a full disk otherwise fails inside pip, halfway, and then the CPU-index retry fails too.
+# Before it installs a torch it checks the free space where the venv goes
+# (M3_SETUP_MIN_FREE_MB, default MIN_FREE_MB below) and stops with what it found: a full disk
+# otherwise fails inside pip, halfway, and then the CPU-index retry fails too.
 #
 # After an install it writes a stamp in the venv for these arguments, holding a hash of
 # pyproject.toml, the torch spec and the pins. With --if-changed nothing is installed
@@ -153,15 +153,13 @@ if [[ ! -e "$VENV" ]]; then
 fi
 
 check_free_space() {
-    local dir free
-    for dir in "$PWD" "${TMPDIR:-/tmp}"; do
-        free=$(df -Pm "$dir" | awk 'NR == 2 {print $4}')
-        if [[ -n "$free" && "$free" -lt "$MIN_FREE_MB" ]]; then
-            echo "setup_venv.sh: $free MiB free on $dir; a new $VENV with torch needs about $MIN_FREE_MB MiB there" \
-                "(and in pip's temporary directory, TMPDIR): free some space and run again" >&2
-            exit 1
-        fi
-    done
+    local free
+    free=$(df -Pm . | awk 'NR == 2 {print $4}')
+    if [[ -n "$free" && "$free" -lt "$MIN_FREE_MB" ]]; then
+        echo "setup_venv.sh: $free MiB free on $PWD; a new $VENV with torch needs about $MIN_FREE_MB MiB there:" \
+            "free some space and run again" >&2
+        exit 1
+    fi
 }
 
 rm -f "$STAMP"
