@@ -2,10 +2,11 @@
 
 Same contract and the same arrays, bit for bit, as :func:`schedule.schedule` (the oracle).
 The prefix of the tile counts per segment comes from the index build's prefix pass
-(``BuildLaunch.run_with_tiles``), or from the same kernel over the segment offsets; one
-launch then writes every tile: one program per segment writes that segment's tiles (so a block chosen by all
-queries is just a longer run), trailing programs blank the unused tail, and program 0
-writes ``num_tiles`` and the balanced split ``program_tiles[p] = p * num_tiles // P``.
+(``BuildLaunch.run_with_tiles``), or from the same kernel over the segment offsets. One
+launch then writes every tile: one program per segment writes that segment's tiles (so a
+block chosen by all queries is just a longer run), trailing programs blank the unused tail,
+and program 0 writes ``num_tiles`` and the balanced split ``program_tiles[p] = p *
+num_tiles // P``.
 Nothing is read back: the tail's extent is device data, handled by masks over the
 host-sized ``max_tiles``.
 """
@@ -94,9 +95,8 @@ class ScheduleLaunch:
         tile_q, num_programs, num_segments = self.tile_q, self.num_programs, self.num_segments
         # Every cell is written: by the prefix pass, or by the kernel below (the unused tail
         # of the tile arrays blanked by its trailing programs).
-        parts = int32_parts(
-            offs.device, max_tiles, max_tiles, max_tiles, 1, num_programs + 1, 0 if tile_base is not None else num_segments + 1
-        )
+        own_prefix = 0 if tile_base is not None else num_segments + 1
+        parts = int32_parts(offs.device, max_tiles, max_tiles, max_tiles, 1, num_programs + 1, own_prefix)
         tile_segment, tile_start, tile_end, num_tiles, program_tiles = parts[:5]
         if tile_base is None:
             tile_base = parts[5]
