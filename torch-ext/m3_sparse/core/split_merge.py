@@ -89,7 +89,7 @@ def merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits: int, group: int) -> Non
     # Rows per program: the S x rows x D tile of partials stays about COMBINE_ELEMS.
     rb = max(2, min(next_pow2(hq), COMBINE_ELEMS // (next_pow2(num_splits) * bd)))
     launch_kernel(
-        _merge_splits_kernel, (num_tokens, triton.cdiv(hq, rb)),
+        _merge_splits_kernel, (num_tokens, -(-hq // rb)),
         o_ws,
         m_ws,
         l_ws,

@@ -172,7 +172,7 @@ def combine_triton(
     gp = next_pow2(group)
     bt = max(1, next_pow2(rows) // gp)
     bd = max(16, next_pow2(d))
-    grid = (triton.cdiv(num_tokens, bt), hkv)
+    grid = (-(-num_tokens // bt), hkv)
     launch_kernel(
         _combine_kernel, grid,
         partial_o,

@@ -102,7 +102,7 @@ class ScheduleLaunch:
             tile_base = parts[5]
             segment_prefix(offs, None, tile_base, tile_q)
         launch_kernel(
-            _emit_tiles_kernel, (num_segments + triton.cdiv(max_tiles, EMIT_TILES),),
+            _emit_tiles_kernel, (num_segments + -(-max_tiles // EMIT_TILES),),
             offs, tile_base, tile_segment, tile_start, tile_end, num_tiles, program_tiles,
             num_segments, max_tiles, tile_q, num_programs,
             BT=EMIT_TILES, BP=next_pow2(num_programs + 1), num_warps=4,
