@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_2547566170"
+NAMESPACE = "_m3_sparse_cpu_d5bc04a075"
 
 ops = getattr(torch.ops, NAMESPACE)
 

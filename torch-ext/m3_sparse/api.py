@@ -726,12 +726,14 @@ def dense_paged_attention_kernel(args: AttnArgs, *, config: DenseConfig | None =
     return dispatch.dense_kernel(args, config or DENSE_DEFAULTS)
 
 
-def sdpa_prefill_reason(new_q: torch.Tensor, new_k: torch.Tensor, **paged) -> str | None:
+def sdpa_prefill_reason(new_q: torch.Tensor, new_k: torch.Tensor, kernel: str | None = None, **paged) -> str | None:
     """Why :func:`causal_prefill_sdpa` does not run a causal dense prefill with no history and
     no padding (``dispatch.sdpa_prefill_reason``), None when it does. ``new_q`` [B, Hq, S, D]
     and ``new_k`` [B, Hkv, S, D] are the step's own; ``paged``: :func:`dense_paged_attention`'s
-    arguments for the same call over the pages, whose kernel it would replace."""
-    kernel = dense_paged_attention_kernel(**paged)
+    arguments for the same call over the pages, whose kernel it would replace; ``kernel``:
+    that kernel where a plan of the call already chose it (``PlannedDenseAttention.kernel``),
+    else :func:`dense_paged_attention_kernel` checks the call and chooses it here."""
+    kernel = kernel or dense_paged_attention_kernel(**paged)
     kv_fp8 = paged["k_cache"].dtype == torch.float8_e4m3fn
     return dispatch.sdpa_prefill_reason(new_q, new_k, kernel, DENSE_DEFAULTS, kv_fp8)
 

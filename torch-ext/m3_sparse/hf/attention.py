@@ -163,11 +163,15 @@ def _plan(layer: M3PagedLayer, key: tuple, metadata: tuple, make, q_len: int):
     return plan
 
 
+def _plan_for(layer: M3PagedLayer, op: str, tensors: tuple, options: tuple, metadata: tuple, make, q_len: int):
+    """The plan of ``op`` for tensors like these (their shapes, strides, dtypes and devices)
+    and these ``options``, kept on the layer's cache (:func:`_plan`)."""
+    return _plan(layer, (op, *map(tensor_meta, tensors), *options), metadata, make, q_len)
+
+
 def _run_plan(layer: M3PagedLayer, op: str, tensors: tuple, options: tuple, metadata: tuple, make, q_len: int):
-    """``plan.run(*tensors)`` of the plan of ``op`` for tensors like these (their shapes,
-    strides, dtypes and devices) and these ``options``, kept on the layer's cache (:func:`_plan`)."""
-    key = (op, *map(tensor_meta, tensors), *options)
-    return _plan(layer, key, metadata, make, q_len).run(*tensors)
+    """``plan.run(*tensors)`` of :func:`_plan_for`'s plan."""
+    return _plan_for(layer, op, tensors, options, metadata, make, q_len).run(*tensors)
 
 
 def _planned(layer: M3PagedLayer | None) -> bool:
@@ -356,15 +360,17 @@ def m3_sparse_attention(
             )
         else:
             out, _ = _op("sparse_attention", **sparse)
-    elif causal and new_kv is not None and api.sdpa_prefill_reason(query, new_kv[0], **paged) is None:
-        return api.causal_prefill_sdpa(query, *new_kv, scaling), None
-    elif _planned(layer):
-        out, _ = _run_plan(
+    else:
+        # A plan is made once a step: every dense layer asks the sdpa route of its kernel,
+        # which the plan chose when it checked the call.
+        plan = _plan_for(
             layer, "dense_paged_attention", (q, k_pool, v_pool), (scaling, causal, tuple(fp8.values())),
             (tables, cu, kv_lens), lambda: api.plan_dense_paged_attention(**paged), q_len,
-        )
-    else:
-        out, _ = _op("dense_paged_attention", **paged)
+        ) if _planned(layer) else None
+        kernel = plan.kernel if plan is not None else None
+        if causal and new_kv is not None and api.sdpa_prefill_reason(query, new_kv[0], kernel=kernel, **paged) is None:
+            return api.causal_prefill_sdpa(query, *new_kv, scaling), None
+        out, _ = plan.run(q, k_pool, v_pool) if plan is not None else _op("dense_paged_attention", **paged)
     return out.view(batch, q_len, hq, d), None
 
 
