@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_d5bc04a075"
+NAMESPACE = "_m3_sparse_cuda_f0f1d4181a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

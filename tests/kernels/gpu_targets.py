@@ -254,6 +254,7 @@ def calls() -> dict[str, Call]:
     return {
         # index branch: prep
         "index prep, bf16, keys into the pool": Call(lambda: prep(prefill, BF16, into_pool=True)),
+        "index prep, bf16, a decode step's keys into the pool": Call(lambda: prep(decode, BF16, into_pool=True)),
         "index prep, fp16": Call(lambda: prep(prefill, FP16)),
         "index prep, fp32": Call(lambda: prep(prefill, FP32, heads=2, d=64, rotary=32)),
         # index branch: top-k
@@ -375,8 +376,11 @@ class Launch:
 
     def key(self) -> tuple:
         """What Triton specializes a compile on (or finer): tensor dtypes, descriptor block
-        shapes, int arguments up to Triton's own rules (== 1, divisible by 16), the constants
-        and launch options (keywords) by value."""
+        shapes, int arguments up to Triton's own rules (== 1, divisible by 16; nothing for a
+        parameter the kernel leaves unspecialized), the constants and launch options
+        (keywords) by value."""
+        params = getattr(self.fn, "params", ())
+        plain = {i for i, p in enumerate(params) if getattr(p, "do_not_specialize", False)}
 
         def one(a):
             if hasattr(a, "data_ptr") and hasattr(a, "dtype"):
@@ -392,7 +396,8 @@ class Launch:
                 return "float"
             return repr(a)
 
-        return (self.name, self.fn.__module__, tuple(one(a) for a in self.args),
+        return (self.name, self.fn.__module__,
+                tuple("int" if i in plain and type(a) is int else one(a) for i, a in enumerate(self.args)),
                 tuple(sorted((k, repr(v)) for k, v in self.kwargs.items())))
 
     def describe(self) -> str:
@@ -454,7 +459,8 @@ def run_calls(capability: tuple[int, int], log: list) -> tuple[dict, list[Launch
                 outcome[name] = {"refused": f"{type(e).__name__}: {e}"[:600], "error_type": type(e).__name__,
                                  "fp8": call.fp8, "gluon": call.gluon, "smem": call.smem}
                 continue
-            outcome[name] = {"kernels": [x.describe() for x in log], "fp8": call.fp8, "gluon": call.gluon,
+            outcome[name] = {"kernels": [x.describe() for x in log], "keys": [repr(x.key()) for x in log],
+                             "fp8": call.fp8, "gluon": call.gluon,
                              "smem": call.smem,
                              "tma": any("tensordesc" in repr(type(a)).lower() or hasattr(a, "block_shape")
                                         for x in log for a in x.args)}

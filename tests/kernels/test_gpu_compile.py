@@ -104,6 +104,18 @@ def test_each_gpu_gets_the_kernels_it_has(recorded, arch):
         assert any(k.startswith("_kvouter_partials_tma_kernel(") for k in calls["sparse prefill (KV-outer)"]["kernels"])
 
 
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm{a}" for a in ARCHS])
+def test_a_decode_step_reuses_the_prefill_compile_of_index_prep(recorded, arch):
+    """A model's first generate() compiles each distinct specialization once: the decode
+    step's index prep (one token a sequence) must not need a compile of its own beside the
+    prefill's (Triton specializes an int argument equal to 1 unless told not to)."""
+    calls = _calls(recorded, arch)
+    prefill = calls["index prep, bf16, keys into the pool"]["keys"]
+    decode = calls["index prep, bf16, a decode step's keys into the pool"]["keys"]
+    assert len(prefill) == len(decode) == 1
+    assert prefill == decode
+
+
 @pytest.mark.parametrize("shard", range(SHARDS))
 @pytest.mark.parametrize("arch", ARCHS, ids=[f"sm{a}" for a in ARCHS])
 def test_kernels_compile_for_the_gpu(arch, shard):
