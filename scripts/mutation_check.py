@@ -304,6 +304,18 @@ MUTATIONS = (
         what="the prefix pass restarts the segment offsets at every step of PREFIX_SEGMENTS",
     ),  # fmt: skip
     Mutation(
+        name="dense_search_reads_one_vector", path="dense/attention_triton.py",
+        old="for i in tl.static_range(SEARCH_STEPS):", new="for i in tl.static_range(1):",
+        tests=(K + "test_triton_dense_attention.py::test_tile_search_over_several_vectors",),
+        what="a dense program looks for its tile's sequence in the first vector of sequences only",
+    ),  # fmt: skip
+    Mutation(
+        name="index_prep_specializes_its_length", path="index/prep_triton.py",
+        old='@triton.jit(do_not_specialize=["seq"])', new="@triton.jit",
+        tests=(K + "test_gpu_compile.py::test_lengths_share_their_compiles",),
+        what="a decode step's index prep compiles again beside the prefill's",
+    ),  # fmt: skip
+    Mutation(
         name="sdpa_prefill_scale", path="dense/attention_sdpa.py",
         old="is_causal=True, scale=scale,", new="is_causal=True, scale=scale * 1.05,",
         tests=("tests/test_sdpa_prefill.py::test_prefill_on_sdpa_matches_the_pages",),

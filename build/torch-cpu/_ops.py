@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_f0f1d4181a"
+NAMESPACE = "_m3_sparse_cpu_372f9c4039"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -129,6 +129,18 @@ def test_decode_matches_reference(page_size, block_size, hq, hkv, topk, dtype, n
     assert torch.all(out.cpu().transpose(0, 1)[none] == 0)
 
 
+def test_sequence_search_over_several_vectors(monkeypatch):
+    """A program finds its token's sequence counting over vectors of cu_seqlens_q
+    (core.launch.seq_vector); vectors of two sequences make that three steps here."""
+    from m3_sparse.core import launch
+
+    monkeypatch.setattr(launch, "SEQ_VECTOR_MIN", 2)
+    monkeypatch.setattr(launch, "SEQ_VECTOR_MAX", 2)
+    batch, q, k, v, sel = _setup(5, DECODE_SEQS, 16, 32, 8, 2, 16, 4, torch.float32)
+    out, lse = _run_triton(batch, q, k, v, sel, 32, num_splits=2)
+    _check("triton", _oracle(batch, q, k, v, sel, 32), out, lse, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_torch_version_matches_reference(dtype):
     batch, q, k, v, sel = _setup(11, DECODE_SEQS, 16, 32, 8, 2, 16, 6, dtype)

@@ -133,6 +133,20 @@ def test_tile_shapes(page_size, block_m, block_n, causal):
     _check(batch, q, k, v, causal, torch.float32, out, lse)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tile_search_over_several_vectors(monkeypatch, causal):
+    """A program finds its tile's sequence counting over vectors of cu_seqlens_q
+    (core.launch.seq_vector); vectors of two sequences make that three steps here."""
+    from m3_sparse.core import launch
+
+    monkeypatch.setattr(launch, "SEQ_VECTOR_MIN", 2)
+    monkeypatch.setattr(launch, "SEQ_VECTOR_MAX", 2)
+    seqs = [(90, 40), (17, 17), (5, 9), (130, 1), (48, 33)]
+    batch, q, k, v = _problem(11, seqs, 16, 8, 2, 32, torch.float32)
+    out, lse = _run(batch, q, k, v, causal, block_m=16, block_n=16)
+    _check(batch, q, k, v, causal, torch.float32, out, lse)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (8, 8)], ids=["mqa", "mha"])
 def test_decode(hq, hkv, dtype):

@@ -203,6 +203,27 @@ def _stream_handle(device: torch.device):
     return index, _driver_calls()[1](index)
 
 
+# --------------------------------------------------------------------------- specializations
+# Triton compiles a kernel once per specialization: besides its constants, each int argument
+# is keyed by whether it is 1 and whether it is a multiple of 16. Where an int is a length (a
+# token or row count, a bound on tiles) that split is worth nothing to the generated code, yet
+# it would make a kernel compile again, seconds each, for the first prompt whose length falls
+# on the other side of it, or for the first decode step after a prefill. Such parameters are
+# declared ``do_not_specialize`` on their kernel, and a launcher passes no length-derived
+# constant (a block size chosen from the length): the lengths of a model's calls share one
+# compile per kernel (tests/kernels/test_gpu_compile.py checks it for every target). Kernels
+# that find a token's sequence count over whole vectors of ``cu_seqlens_q`` (one load for a
+# decode batch) take at least SEQ_VECTOR_MIN sequences a vector, so that the batch sizes a
+# server steps through, up to that many requests, share one compile too.
+SEQ_VECTOR_MIN, SEQ_VECTOR_MAX = 64, 1024
+
+
+def seq_vector(batch: int) -> tuple[int, int]:
+    """(sequences a vector, vectors) of such a count over ``batch`` sequences."""
+    chunk = min(SEQ_VECTOR_MAX, max(SEQ_VECTOR_MIN, next_pow2(batch)))
+    return chunk, -(-batch // chunk)
+
+
 # --------------------------------------------------------------------------- launches
 # Triton binds and specializes every argument of every call in Python before it launches
 # (tens of microseconds of host time a call, docs/perf-log/2026-12-04.md), and an eager

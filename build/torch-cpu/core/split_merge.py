@@ -20,7 +20,7 @@ from .launch import launch_kernel, next_pow2
 COMBINE_ELEMS = 8192
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a length (core.launch: specializations)
 def _merge_splits_kernel(
     o_ws_ptr,
     m_ws_ptr,

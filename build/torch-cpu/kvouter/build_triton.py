@@ -289,7 +289,7 @@ def segment_prefix(src: torch.Tensor, off: torch.Tensor | None, tile: torch.Tens
         _segment_prefix_kernel, (1,),
         src, src if from_offsets else off, src if tile is None else tile, num_segments, max(tile_q, 1),
         FROM_OFFSETS=from_offsets, TILES=tile is not None,
-        BLOCK=min(PREFIX_SEGMENTS, max(16, next_pow2(num_segments))), num_warps=4,
+        BLOCK=PREFIX_SEGMENTS, num_warps=4,  # one block for every length (core.launch: specializations)
     )  # fmt: skip
 
 

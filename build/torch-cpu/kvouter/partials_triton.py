@@ -137,7 +137,7 @@ def _attend_rows(
     tl.store(pl_ptr + o_row, b_l, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["capacity_rows"])  # a length (core.launch: specializations)
 def _kvouter_partials_kernel(
     q_ptr,
     k_ptr,

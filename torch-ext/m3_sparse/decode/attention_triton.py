@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
-from ..core.launch import StreamBuffers, contiguous, launch_kernel, next_pow2, tl_dtype
+from ..core.launch import StreamBuffers, contiguous, launch_kernel, next_pow2, seq_vector, tl_dtype
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits, split_workspaces
 from ..core.validate import attention_args, value_checks_enabled
@@ -64,11 +64,8 @@ from .plan import DEFAULT_CONFIG, DecodeConfig, plan, shape_reason
 
 LOG2E = 1.4426950408889634
 
-# Sequence ends (cu_seqlens_q) a program reads per step while finding its sequence.
-MAX_SEQ_CHUNK = 1024
 
-
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a length (core.launch: specializations)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -355,14 +352,14 @@ class DecodeLaunch:
         self.grid = (programs, args.hkv, p.num_splits)
         self.pairs = programs * args.hkv
         self.ws_rows = self.pairs * p.num_splits * args.group
-        seq_chunk = min(MAX_SEQ_CHUNK, max(16, next_pow2(batch)))
+        seq_chunk, seq_steps = seq_vector(batch)
         self.ints = (num_tokens, batch, topk, self.block_tables.shape[1] * args.page_size)
         self.scale = float(args.softmax_scale) * LOG2E
         self.constants = dict(
             G=args.group, RP=p.rp, D=args.d, BD=p.bd, BS=args.block_size, BN=p.bn, PS=args.page_size,
             TOPK_P2=max(2, next_pow2(topk)),
             CAUSAL=args.causal, FINAL=p.final, MERGE=p.merge, RETURN_LSE=args.return_lse,
-            SEQ_CHUNK=seq_chunk, SEQ_STEPS=-(-batch // seq_chunk), ROWS=rows_per_seq,
+            SEQ_CHUNK=seq_chunk, SEQ_STEPS=seq_steps, ROWS=rows_per_seq,
             PREC="ieee" if args.q.dtype == torch.float32 else None,
             Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
             PV_DT=tl_dtype(args.out_dtype),

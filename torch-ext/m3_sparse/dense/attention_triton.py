@@ -60,7 +60,8 @@ import triton.language as tl
 from ..core.args import AttnArgs
 from ..core.interpreter import dot
 from ..core.launch import (
-    StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, next_pow2, tl_dtype,
+    StreamBuffers, contiguous, device_capability, device_index, interpreting, launch_kernel, next_pow2, seq_vector,
+    tl_dtype,
 )
 from ..core.online_softmax import fold_fp8_scales, online_softmax_step
 from ..core.split_merge import merge_splits, split_workspaces
@@ -118,7 +119,7 @@ def attend_key_tile(
     return online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, PV_DT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a length (core.launch: specializations)
 def _dense_paged_attn_kernel(
     q_ptr,
     k_ptr,
@@ -160,6 +161,7 @@ def _dense_paged_attn_kernel(
     PS: tl.constexpr,
     CAUSAL: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    SEARCH: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     PREC: tl.constexpr,
     FINAL: tl.constexpr,
@@ -181,16 +183,18 @@ def _dense_paged_attn_kernel(
     # fp8 inputs: the q and k scales fold into the softmax scale, v's into the output.
     qk_scale = fold_fp8_scales(qk_scale, scale_ptr, Q_FP8, KV_FP8)
 
-    # Largest b with cu[b] // TM + b <= pid: that sequence owns this tile number.
-    lo = pid * 0
-    hi_b = lo + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi_b) // 2
-        first_tile = tl.load(cu_ptr + mid) // TM + mid
-        right = first_tile <= pid
-        lo = tl.where(right, mid, lo)
-        hi_b = tl.where(right, hi_b, mid)
-    seq = lo
+    # The sequence that owns this tile number: the largest b with cu[b] // TM + b <= pid (a
+    # first tile number, increasing in b), counted over whole vectors of cu as in the decode
+    # kernel, SEARCH sequences a step. One sequence (SEARCH = 0) needs no search.
+    seq = pid * 0
+    if SEARCH > 0:
+        offs_b = tl.arange(0, SEARCH)
+        for i in tl.static_range(SEARCH_STEPS):
+            b = i * SEARCH + offs_b
+            b_ok = b < num_seqs
+            first_tile = tl.where(b_ok, tl.load(cu_ptr + b, mask=b_ok, other=0) // TM + b, pid + 1)
+            seq += tl.sum((first_tile <= pid).to(tl.int32), 0)
+        seq -= 1
     q_beg = tl.load(cu_ptr + seq)
     q_end = tl.load(cu_ptr + seq + 1)
     q_start = q_beg + (pid - (q_beg // TM + seq)) * TM
@@ -370,6 +374,12 @@ def run_dense_triton(args: AttnArgs, cfg: DenseConfig | None = None) -> tuple[to
     return DenseLaunch(args, cfg or DEFAULT_CONFIG).run(args.q, args.k_cache, args.v_cache, args.selected)
 
 
+def _search(batch: int) -> dict:
+    """The kernel's constants for finding a tile's sequence among ``batch`` (none for one)."""
+    chunk, steps = seq_vector(batch) if batch > 1 else (0, 0)
+    return dict(SEARCH=chunk, SEARCH_STEPS=steps)
+
+
 class DenseLaunch:
     """The dense kernel's launch for one checked call, planned once (tiles, split count, the
     TMA choice, the kernel's constants, the metadata as the kernel reads it). :meth:`run`
@@ -407,7 +417,7 @@ class DenseLaunch:
         self.scale = float(args.softmax_scale) * LOG2E
         self.constants = dict(
             G=args.group, GP=p.gp, TM=p.tm, D=args.d, BD=p.bd, BN=p.bn, PS=args.page_size,
-            CAUSAL=bool(args.causal), RETURN_LSE=bool(args.return_lse), SEARCH_STEPS=max(0, batch - 1).bit_length(),
+            CAUSAL=bool(args.causal), RETURN_LSE=bool(args.return_lse), **_search(batch),
             PREC="ieee" if args.q.dtype == torch.float32 else None,
             FINAL=self.final, Q_FP8=args.q_fp8, KV_FP8=args.kv_fp8, WIDEN_K=args.kv_fp8 and not args.q_fp8,
             PV_DT=tl_dtype(args.out_dtype), HKV=args.hkv,

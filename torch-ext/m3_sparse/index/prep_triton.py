@@ -64,9 +64,7 @@ def _prep_rows(
     tl.store(o_ptr + h * D + d, out.to(out_ty), mask=ok)
 
 
-# ``seq`` is 1 in every decode step and a prompt's length in a prefill: left unspecialized
-# (Triton would compile a "== 1" variant), so a model's decode steps reuse its prefill's
-# compile, one Triton compile fewer in a first generate().
+# ``seq``: 1 in every decode step, a prompt's length in a prefill (core.launch: specializations).
 @triton.jit(do_not_specialize=["seq"])
 def _index_prep_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, k_rows_ptr, seq, heads, eps,

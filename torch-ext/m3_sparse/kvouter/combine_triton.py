@@ -44,7 +44,7 @@ def _load_slot(p_slot, p_slot_tok, offset, row_ok, BR: tl.constexpr, BT: tl.cons
         return tl.load(p_slot + offset, mask=row_ok, other=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a length (core.launch: specializations)
 def _combine_kernel(
     po_ptr,
     pm_ptr,
