@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_372f9c4039"
+NAMESPACE = "_m3_sparse_cuda_b5ff5edabc"
 
 ops = getattr(torch.ops, NAMESPACE)
 

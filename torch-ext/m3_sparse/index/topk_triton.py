@@ -217,7 +217,7 @@ def _write_selection(
     tl.store(p_o + offs_t[None, :], tl.full([1, TOPK_P2], -1, tl.int32), mask=row_ok[:, None] & pad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "num_splits"])  # counts (core.launch: specializations)
 def _index_topk_kernel(
     q_ptr,
     k_ptr,
@@ -327,7 +327,7 @@ def _index_topk_kernel(
         tl.store(ws_id_ptr + p_w, ids, mask=w_ok)
 
 
-@triton.jit(do_not_specialize=["total_rows"])  # a length (core.launch: specializations)
+@triton.jit(do_not_specialize=["total_rows", "batch", "num_splits"])  # counts (core.launch: specializations)
 def _merge_kernel(
     ws_val_ptr,
     ws_id_ptr,
