@@ -105,7 +105,7 @@ def test_each_gpu_gets_the_kernels_it_has(recorded, arch):
 
 
 # Calls that must share every compile: a model's prefill and its decode steps (index prep),
-# prompts of two lengths (one a multiple of 16, one not), ...
+# prompts of two lengths (one a multiple of 16, one not), and decode steps of two batch sizes.
 SAME_COMPILES = [
     ("index prep, bf16, keys into the pool", "index prep, bf16, a decode step's keys into the pool"),
     ("index top-k prefill (key splits and their merge)", "index top-k prefill, a prompt of another length"),
@@ -113,7 +113,7 @@ SAME_COMPILES = [
     ("KV-outer, tl partials", "KV-outer, tl partials, a prompt of another length"),
     ("KV-outer, Gluon partials pinned", "KV-outer, Gluon partials pinned, a prompt of another length"),
     ("dense prefill", "dense prefill, a prompt of another length"),
-    # and decode steps of two batch sizes (a server's steps take many)
+    # a server's steps take many batch sizes
     ("sparse decode (key splits, merged in place)", "sparse decode, another batch"),
     ("index top-k decode (key splits and their merge)", "index top-k decode, another batch"),
     ("dense decode (key splits and their merge)", "dense decode, another batch"),
