@@ -20,8 +20,10 @@ host's speed drifts between repetitions more than within one). Rows go to
 
 ``--prefill`` times the prompt's forward pass instead (an eager generate() of one token): a
 spin kernel issued as the forward begins holds the GPU for ``PREFILL_LEAD_MS``, so no layer
-waits for it, and each layer's figure is what issuing it costs the host (a layer that waited
-on the GPU would show the lead's length); m3_sparse runs with plans (the default), with the
+waits for it, and each layer's figure is what issuing it costs the host. A repetition whose
+spin had ended before the forward's issue did waited for the GPU somewhere (its launch queue
+full, or a sync); the table counts them under "GPU caught up", and such figures are not host
+time; m3_sparse runs with plans (the default), with the
 ops called directly, and with every launch through Triton. ``--profile`` adds cProfile's view
 of the sparse layers' forwards in the planned calls (functions by their own time, then by
 their cumulative time).
@@ -161,24 +163,37 @@ def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=Non
 
 @contextmanager
 def gpu_lead(model, device, ms: float):
-    """A spin kernel of ``ms`` issued as each forward of ``model`` begins (none off CUDA)."""
+    """A spin kernel of ``ms`` issued as each forward of ``model`` begins (none off CUDA).
+    Yields a list that gets, as each forward's issue ends, whether the GPU had already finished
+    the spin: then the host waited for the GPU at some point (a full launch queue, a sync), and
+    the layers' figures hold device time, not only host time."""
     cycles = common.spin_cycles(ms) if device.type == "cuda" else None
+    caught_up: list[bool] = []
+    done = []
 
     def lead(module, args, kwargs):
         if cycles is not None:
             torch.cuda._sleep(cycles)
+            done[:] = [torch.cuda.Event()]
+            done[0].record()
 
-    hook = model.model.register_forward_pre_hook(lead, with_kwargs=True)
+    def issued(module, args, kwargs, output):
+        if done:
+            caught_up.append(done[0].query())
+
+    hooks = (model.model.register_forward_pre_hook(lead, with_kwargs=True),
+             model.model.register_forward_hook(issued, with_kwargs=True))
     try:
-        yield
+        yield caught_up
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]:
     """Host ms of the prompt's forward pass per layer kind, each configuration in turn every
     repetition (the first warms them up); ``profile`` covers the sparse layers of m3_sparse-eager."""
-    samples = {c: {"sparse": [], "full": []} for c in PREFILL_CONFIGS}
+    samples = {c: {"sparse": [], "full": [], "caught_up": 0} for c in PREFILL_CONFIGS}
     for rep in range(args.reps + 1):
         for config in PREFILL_CONFIGS:
             dense = config.startswith("dense")
@@ -190,7 +205,7 @@ def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]
             profiled = profile if rep and config == "m3_sparse-eager" else None
             with (
                 direct_launches(not config.endswith("triton-launches")), planned(not config.endswith("-ops")),
-                gpu_lead(model, device, PREFILL_LEAD_MS),
+                gpu_lead(model, device, PREFILL_LEAD_MS) as caught_up,
             ):
                 common.sync(device)
                 with layer_clock(totals, profiled):
@@ -198,13 +213,15 @@ def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]
                 common.sync(device)
             if rep == 0:
                 continue
+            samples[config]["caught_up"] += any(caught_up)
             for kind in ("sparse", "full"):
                 count = args.layers.count(kind[0]) if not dense else (len(args.layers) if kind == "full" else 0)
                 if count:
                     samples[config][kind].append(totals.get(kind, 0.0) / count)
     ms = lambda xs: statistics.median(xs) * 1e3 if xs else None  # noqa: E731
     return [{"config": c, "sparse_layer_ms": ms(s["sparse"]), "full_layer_ms": ms(s["full"]),
-             "sparse_layer_each_ms": [x * 1e3 for x in s["sparse"]]} for c, s in samples.items()]
+             "sparse_layer_each_ms": [x * 1e3 for x in s["sparse"]], "gpu_caught_up": s["caught_up"]}
+            for c, s in samples.items()]
 
 
 def log_pieces(log, pieces: list[dict], what: str) -> None:
@@ -227,10 +244,15 @@ def _spread(each: list) -> str:
 
 
 def prefill_table(rows: list[dict], args) -> list[str]:
-    lines = ["| layers | prompt | config | sparse layer host ms (range) | full layer host ms |", "|---|---|---|---|---|"]
+    lines = ["| layers | prompt | config | sparse layer host ms (range) | full layer host ms | GPU caught up |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {args.layers} | {args.sizes} | {r['config']} | "
-                     f"{_ms(r['sparse_layer_ms'])}{_spread(r['sparse_layer_each_ms'])} | {_ms(r['full_layer_ms'])} |")
+                     f"{_ms(r['sparse_layer_ms'])}{_spread(r['sparse_layer_each_ms'])} | {_ms(r['full_layer_ms'])} | "
+                     f"{r['gpu_caught_up']} of {args.reps} |")
+    if any(r["gpu_caught_up"] for r in rows):
+        lines += ["", "Where the GPU caught up, the spin had ended before the forward's issue did: the host waited "
+                  "for the GPU (a full launch queue or a sync), so those layer figures are not host time."]
     return lines
 
 
@@ -249,7 +271,8 @@ def prefill_main(args, log, results, models, ids, mask, device) -> int:
     for r in rows:
         results.add(f"{args.layers} {args.sizes} prefill", r["sparse_layer_ms"], what=r["config"],
                     sizes={"size": args.sizes}, full_layer_ms=r["full_layer_ms"],
-                    sparse_layer_each_ms=r["sparse_layer_each_ms"], reps=args.reps, lead_ms=PREFILL_LEAD_MS)
+                    sparse_layer_each_ms=r["sparse_layer_each_ms"], reps=args.reps, lead_ms=PREFILL_LEAD_MS,
+                    gpu_caught_up=r["gpu_caught_up"])
     results.write()
     if profile is not None:
         log(f"cProfile of the sparse layers' prefill forwards, m3_sparse-eager, {args.reps} calls:")

@@ -44,11 +44,23 @@ def test_prefill_run_writes_every_configuration_and_the_prefill_pieces(tmp_path,
         sparse_layers = r["what"].startswith("m3_sparse")
         assert isinstance(r["metrics"]["full_layer_ms"], float)
         assert isinstance(r["ms"], float) == sparse_layers
+        assert r["metrics"]["gpu_caught_up"] == 0  # no spin on the CPU, so nothing to catch up with
     pieces = {r["what"] for r in rows if r["what"].startswith("piece: ")}
     assert pieces == {"piece: index_prep", "piece: index_topk (a plan's run)", "piece: sparse_attention (a plan's run)",
                       "piece: dense_paged_attention (a plan's run, a full layer)", f"piece: {bench_host.M3_FUNCTION}",
                       "piece: attention function (sdpa)"}
     assert "Ordered by: cumulative time" in capsys.readouterr().out
+
+
+def test_the_prefill_table_says_where_the_gpu_caught_up():
+    """A repetition whose spin ended before its forward was issued is counted, and the table
+    says that such figures are not host time; a clean run carries no such note."""
+    args = bench_host.parse_args(["--quick", "--prefill", "--reps", "3"])
+    row = {"config": "m3_sparse-eager", "sparse_layer_ms": 0.5, "full_layer_ms": 0.4, "sparse_layer_each_ms": [0.5]}
+    clean = bench_host.prefill_table([dict(row, gpu_caught_up=0)], args)
+    held = bench_host.prefill_table([dict(row, gpu_caught_up=2)], args)
+    assert clean[-1].endswith("| 0 of 3 |") and not any("not host time" in line for line in clean)
+    assert held[2].endswith("| 2 of 3 |") and "not host time" in held[-1]
 
 
 def test_pieces_are_recorded_from_a_decode_step_and_timed(tmp_path):
