@@ -316,6 +316,13 @@ MUTATIONS = (
         what="a decode step's index prep compiles again beside the prefill's",
     ),  # fmt: skip
     Mutation(
+        name="tma_partials_refuse_a_transposed_q", path="kvouter/partials_gluon_sm90.py",
+        old="    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):",
+        new="    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):",
+        tests=(K + "test_dispatch_capability.py::test_a_models_transposed_q_runs_the_tma_partials",),
+        what="a model's batch-1 prefill runs the tl partials kernel instead of the TMA one",
+    ),  # fmt: skip
+    Mutation(
         name="sdpa_prefill_scale", path="dense/attention_sdpa.py",
         old="is_causal=True, scale=scale,", new="is_causal=True, scale=scale * 1.05,",
         tests=("tests/test_sdpa_prefill.py::test_prefill_on_sdpa_matches_the_pages",),

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_b5ff5edabc"
+NAMESPACE = "_m3_sparse_cpu_ae8704542a"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -139,6 +139,25 @@ def test_gluon_kernels_run_on_sm90_only(act_as, capability):
         assert index_engine(idx, IndexConfig(engine="triton")) == "triton"
 
 
+def test_a_models_transposed_q_runs_the_tma_partials(act_as):
+    """A model's batch-1 q is a transposed view ([T, Hq, D], heads T*D apart): the TMA partials
+    kernel takes it (its wrapper copies it), so the model's prefill runs the kernel KV-outer is
+    measured with; a head dim of another stride keeps the tl kernel."""
+    act_as((9, 0))
+    with fake_cuda():
+        m3 = attn(b=1)
+        tokens, hq, d = m3.q.shape
+        transposed = m3.replace(q=cuda(hq, tokens, d).transpose(0, 1))
+        assert not transposed.q.is_contiguous()
+        assert dispatch.partials_engine(transposed, KVOuterConfig(), 4, 1 << 20) == "tma"
+        assert dispatch.decode_max_queries(transposed.q, m3.k_cache, m3.v_cache, 128) == dispatch.DECODE_MAX_QUERIES
+        strided = cuda(tokens, hq, 2 * d)[..., ::2]
+        why = dispatch.tma_partials_reason(strided, m3.k_cache, m3.v_cache, 128, None, None, 4, 0)
+        assert why == "q with a contiguous head dim (stride 1), got stride 2"
+        caches = cuda(*m3.k_cache.shape[:3], 2 * d)[..., :d]
+        assert dispatch.tma_partials_reason(m3.q, caches, caches, 128, None, None, 4, 0) == "contiguous caches"
+
+
 def test_gluon_waits_for_its_triton_release(act_as):
     act_as((9, 0), gluon_release=False)
     with fake_cuda():

@@ -380,9 +380,11 @@ gkv = kernel_module("m3_sparse.kvouter.partials_gluon_sm90")
 
 def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_dtype=None, tile_q=4, pages=2, **kw):
     q = torch.empty(3, hq, d, dtype=dtype)
-    if kw.get("strided"):
-        q = torch.empty(3, hq, 2 * d, dtype=dtype)[..., :d]
+    if kw.get("strided") == "q head dim":
+        q = torch.empty(3, hq, 2 * d, dtype=dtype)[..., ::2]
     k = torch.empty(pages, hkv, page, d, dtype=kv_dtype or dtype)
+    if kw.get("strided") == "caches":
+        k = torch.empty(pages, hkv, page, 2 * d, dtype=kv_dtype or dtype)[..., :d]
     return gkv.unsupported_reason(
         q, k, k, block, kw.get("out_dtype"), kw.get("scales"), tile_q, kw.get("rows", 10), kw.get("partial_dtype")
     )
@@ -410,7 +412,8 @@ def _reason(hq=64, hkv=4, d=128, page=128, block=128, dtype=torch.bfloat16, kv_d
         (dict(block=256), "block 256"),
         (dict(block=32, page=32), "block 32"),
         (dict(pages=0), "empty page pool"),
-        (dict(strided=True), "contiguous"),
+        (dict(strided="q head dim"), "q with a contiguous head dim \\(stride 1\\), got stride 2"),
+        (dict(strided="caches"), "contiguous caches"),
         (dict(rows=2**31), "2\\^31 rows"),
     ],
 )
@@ -486,6 +489,21 @@ def test_partials_tma_int64_metadata():
     batch.cu_seqlens_q = batch.cu_seqlens_q.long()
     batch.used_kv_lens = batch.used_kv_lens.long()
     index, got, ref = _run_partials(batch, q, k, v, sel, 128, False, 0.088, 4, 132, engine="tma")
+    _check_partials(index, got, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("tma_partials")
+def test_partials_tma_take_a_transposed_q():
+    """A model's batch-1 q is a view of [Hq, T, D] as [T, Hq, D]: the default engine runs the
+    TMA kernel on it (its wrapper copies q for the descriptor), right against the torch stage."""
+    g = gen(65)
+    batch = make_batch(g, [(1000, 300)], 128)
+    q = randn(g, 64, batch.num_tokens, 128, dtype=torch.bfloat16).to(DEVICE).transpose(0, 1)
+    assert not q.is_contiguous()
+    k, v = batch.kv_cache(g, 4, 128, torch.bfloat16), batch.kv_cache(g, 4, 128, torch.bfloat16)
+    sel = random_selection(g, batch, 4, 16, 128)
+    index, got, ref = _run_partials(batch, q, k, v, sel, 128, True, 0.088, 4, 132, engine="tma")
     _check_partials(index, got, ref, torch.bfloat16)
 
 

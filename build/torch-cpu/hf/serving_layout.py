@@ -43,7 +43,7 @@ def sparse_step_bytes(config, dtype: torch.dtype) -> int:
     """Bytes ``paged|m3_sparse`` allocates per batch token at a sparse layer's peak beyond the
     hidden states, query projection and new K/V that transformers' attention peak counts, and
     instead of its ``[M, N + M]`` mask and K/V read back from the cache (the kernels read the
-    pools in place; nothing grows with the cache): KV-outer's partials and index
+    pools in place; nothing grows with the cache): KV-outer's partials, index and copy of q
     (``api.kvouter_bytes_per_row``, partials in the activation dtype), the attention output
     ``[T, Hq, D]``, the index branch's queries and key ``[T, Hi * Di + Di]`` and its selection
     ``[T, Hi, topk]`` int32. It errs high: the config's heads where tensor parallelism gives a

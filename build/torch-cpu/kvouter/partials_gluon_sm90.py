@@ -102,12 +102,15 @@ def unsupported_reason(
     # TMA coordinates are 32-bit rows.
     if max(partial_rows, q.shape[0] * hq, k_cache.shape[0] * hkv * page) >= 2**31:
         return "more than 2^31 rows in q, the caches or the partials"
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return "contiguous q and caches"
+    # q may have any strides: kvouter_partials_tma copies one that is not contiguous.
+    if q.stride(-1) != 1:
+        return f"q with a contiguous head dim (stride 1), got stride {q.stride(-1)}"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "contiguous caches"
     why = device_reason(q)
     if why is not None:
         return why
-    if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache)):
+    if any(t.data_ptr() % 16 for t in (q, k_cache, v_cache) if t.is_contiguous()):
         return "16-byte aligned q and caches"
     return None
 
@@ -415,7 +418,10 @@ def kvouter_partials_tma(args: AttnArgs, index: KVOuterIndex, sched: Schedule) -
         return partial_o, partial_m, partial_l
     layout, kv_layout, o_layout = _smem_layout(q.dtype, d), _smem_layout(k_cache.dtype, d), _smem_layout(partial_dtype, d)
     pb = min(block_size, page_size)
-    q2 = q.view(num_tokens * hq, d)
+    # The q descriptor reads a (token, kv head)'s G query heads as G consecutive rows. A model's
+    # batch-1 q is a transposed view ([T, Hq, D], heads T*D apart), copied here; a long
+    # prompt's KV-outer runs in query slices, so the copy holds one slice's rows.
+    q2 = q.contiguous().view(num_tokens * hq, d)
     k2 = k_cache.view(num_pages * hkv * page_size, d)
     v2 = v_cache.view(num_pages * hkv * page_size, d)
     o2 = partial_o.view(cap * group, d)
