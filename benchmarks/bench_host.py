@@ -22,11 +22,10 @@ host's speed drifts between repetitions more than within one). Rows go to
 spin kernel issued as the forward begins holds the GPU for ``PREFILL_LEAD_MS``, so no layer
 waits for it, and each layer's figure is what issuing it costs the host. A repetition whose
 spin had ended before the forward's issue did waited for the GPU somewhere (its launch queue
-full, or a sync); the table counts them under "GPU caught up", and such figures are not host
-time; m3_sparse runs with plans (the default), with the
-ops called directly, and with every launch through Triton. ``--profile`` adds cProfile's view
-of the sparse layers' forwards in the planned calls (functions by their own time, then by
-their cumulative time).
+full, or a sync): the table counts such repetitions under "GPU caught up", and their figures
+are not host time. m3_sparse runs with plans (the default), with the ops called directly, and
+with every launch through Triton. ``--profile`` adds cProfile's view of the sparse layers'
+forwards in the planned calls (functions by their own time, then by their cumulative time).
 
     python3 benchmarks/bench_host.py --prefill --sizes 8k --profile
 

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_ae8704542a"
+NAMESPACE = "_m3_sparse_cuda_95f162e6bf"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -463,8 +463,8 @@ def kvouter_bytes_per_row(num_heads: int, num_kv_heads: int, head_dim: int, topk
     """Bytes a KV-outer call on the kernels allocates per query row beside its output (host
     arithmetic, for sizing memory pools): the partials, one o ``[D]`` in ``dtype`` (the partial
     dtype) and fp32 m and l per (kv head, top-k slot, query head of the group), the index, 4
-    int32 per (kv head, slot), and the copy of a q row ``[Hq, D]`` that the TMA partials kernel
-    makes of a transposed q (a model's batch-1 q). A call past
+    int32 per (kv head, slot), and the copy of a q row ``[Hq, D]`` (in ``dtype``) that the TMA
+    partials kernel makes of a transposed q (a model's batch-1 q). A call past
     ``dispatch.DEFAULT_WORKSPACE_BYTES`` of partials runs in slices: this is then an upper bound."""
     slots = num_kv_heads * topk
     index = 4 * torch.int32.itemsize * slots
