@@ -18,12 +18,12 @@ over a static cache with sdpa) of the same repetition, the median of those diffe
 host's speed drifts between repetitions more than within one). Rows go to
 ``<out>/bench_host.json``; the last thing printed is a markdown table.
 
-``--prefill`` times the prompt's forward pass instead (an eager generate() of one token): a
-spin kernel issued as the forward begins holds the GPU for ``PREFILL_LEAD_MS``, so no layer
-waits for it, and each layer's figure is what issuing it costs the host. A repetition whose
-spin had ended before the forward's issue did waited for the GPU somewhere (its launch queue
-full, or a sync): the table counts such repetitions under "GPU caught up", and their figures
-are not host time. m3_sparse runs with plans (the default), with the ops called directly, and
+``--prefill`` times the prompt's forward pass instead (an eager generate() of one token):
+each decoder layer starts after a sync, with a spin kernel of ``PREFILL_LAYER_LEAD_MS`` holding
+the GPU, so no layer waits for it, and each layer's figure is what issuing it costs the host. A
+repetition in which some layer's spin had ended before that layer's issue did waited for the
+GPU (a sync inside the layer, or a spin too short): the table counts such repetitions under
+"GPU caught up", and their figures are not host time. m3_sparse runs with plans (the default), with the ops called directly, and
 with every launch through Triton. ``--profile`` adds cProfile's view of the sparse layers'
 forwards in the planned calls (functions by their own time, then by their cumulative time).
 
@@ -75,8 +75,10 @@ PIECE_CALLS = 200
 PREFILL_PIECE_OPS = ("index_topk", "sparse_attention", "dense_paged_attention")
 PREFILL_PIECE_CALLS = 4  # calls a round, issued within PREFILL_LEAD_MS
 PREFILL_CONFIGS = ("dense-eager", "m3_sparse-eager", "m3_sparse-eager-ops", "m3_sparse-eager-triton-launches")
-# Longer than the host's whole prefill forward of the 12-layer model at 8K (tens of ms).
+# Longer than the host's issue of 4 calls of any piece.
 PREFILL_LEAD_MS = 250.0
+# Longer than the host's issue of one decoder layer of a prefill (a few ms; more under cProfile).
+PREFILL_LAYER_LEAD_MS = 25.0
 M3_FUNCTION = "attention function (m3_sparse)"
 
 
@@ -161,17 +163,20 @@ def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=Non
 
 
 @contextmanager
-def gpu_lead(model, device, ms: float):
-    """A spin kernel of ``ms`` issued as each forward of ``model`` begins (none off CUDA).
-    Yields a list that gets, as each forward's issue ends, whether the GPU had already finished
-    the spin: then the host waited for the GPU at some point (a full launch queue, a sync), and
-    the layers' figures hold device time, not only host time."""
+def layer_leads(model, device, ms: float):
+    """Before each decoder layer of ``model``: a sync, then a spin kernel of ``ms`` (none off
+    CUDA), so the layer issues into an empty launch queue while the GPU is held. (One spin for
+    the whole forward let the launches of many layers fill the queue, and issuing then went at
+    the GPU's pace.) Yields a list that gets, as each layer's issue ends, whether its spin had
+    already ended: then the layer waited for the GPU (a sync inside it, or a spin too short), and
+    its figure holds device time."""
     cycles = common.spin_cycles(ms) if device.type == "cuda" else None
     caught_up: list[bool] = []
     done = []
 
     def lead(module, args, kwargs):
         if cycles is not None:
+            common.sync(device)
             torch.cuda._sleep(cycles)
             done[:] = [torch.cuda.Event()]
             done[0].record()
@@ -180,8 +185,10 @@ def gpu_lead(model, device, ms: float):
         if done:
             caught_up.append(done[0].query())
 
-    hooks = (model.model.register_forward_pre_hook(lead, with_kwargs=True),
-             model.model.register_forward_hook(issued, with_kwargs=True))
+    hooks = []
+    for layer in model.model.layers:
+        hooks += [layer.register_forward_pre_hook(lead, with_kwargs=True),
+                  layer.register_forward_hook(issued, with_kwargs=True)]
     try:
         yield caught_up
     finally:
@@ -204,7 +211,7 @@ def measure_prefill(args, models, ids, mask, device, profile=None) -> list[dict]
             profiled = profile if rep and config == "m3_sparse-eager" else None
             with (
                 direct_launches(not config.endswith("triton-launches")), planned(not config.endswith("-ops")),
-                gpu_lead(model, device, PREFILL_LEAD_MS) as caught_up,
+                layer_leads(model, device, PREFILL_LAYER_LEAD_MS) as caught_up,
             ):
                 common.sync(device)
                 with layer_clock(totals, profiled):
@@ -250,8 +257,8 @@ def prefill_table(rows: list[dict], args) -> list[str]:
                      f"{_ms(r['sparse_layer_ms'])}{_spread(r['sparse_layer_each_ms'])} | {_ms(r['full_layer_ms'])} | "
                      f"{r['gpu_caught_up']} of {args.reps} |")
     if any(r["gpu_caught_up"] for r in rows):
-        lines += ["", "Where the GPU caught up, the spin had ended before the forward's issue did: the host waited "
-                  "for the GPU (a full launch queue or a sync), so those layer figures are not host time."]
+        lines += ["", "Where the GPU caught up, a layer's spin had ended before its issue did: the host waited for "
+                  "the GPU (a sync, or a spin too short), so those layer figures are not host time."]
     return lines
 
 
@@ -270,7 +277,7 @@ def prefill_main(args, log, results, models, ids, mask, device) -> int:
     for r in rows:
         results.add(f"{args.layers} {args.sizes} prefill", r["sparse_layer_ms"], what=r["config"],
                     sizes={"size": args.sizes}, full_layer_ms=r["full_layer_ms"],
-                    sparse_layer_each_ms=r["sparse_layer_each_ms"], reps=args.reps, lead_ms=PREFILL_LEAD_MS,
+                    sparse_layer_each_ms=r["sparse_layer_each_ms"], reps=args.reps, lead_ms=PREFILL_LAYER_LEAD_MS,
                     gpu_caught_up=r["gpu_caught_up"])
     results.write()
     if profile is not None:
