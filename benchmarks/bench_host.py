@@ -20,12 +20,13 @@ host's speed drifts between repetitions more than within one). Rows go to
 
 ``--prefill`` times the prompt's forward pass instead (an eager generate() of one token):
 each decoder layer starts after a sync, with a spin kernel of ``PREFILL_LAYER_LEAD_MS`` holding
-the GPU, so no layer waits for it, and each layer's figure is what issuing it costs the host. A
-repetition in which some layer's spin had ended before that layer's issue did waited for the
-GPU (a sync inside the layer, or a spin too short): the table counts such repetitions under
-"GPU caught up", and their figures are not host time. m3_sparse runs with plans (the default), with the ops called directly, and
-with every launch through Triton. ``--profile`` adds cProfile's view of the sparse layers'
-forwards in the planned calls (functions by their own time, then by their cumulative time).
+the GPU, so no layer waits for it, and each layer's figure is what issuing it costs the host.
+Where a layer's spin ended before its issue did, the layer waited for the GPU (a sync inside
+it, or a spin too short): the table counts such repetitions under "GPU caught up", and their
+figures are not host time. m3_sparse runs with plans (the default), with the ops called
+directly, and with every launch through Triton. ``--profile`` adds cProfile's view of the
+sparse layers' forwards in the planned calls (functions by their own time, then by their
+cumulative time).
 
     python3 benchmarks/bench_host.py --prefill --sizes 8k --profile
 
@@ -165,9 +166,9 @@ def timed_call(model, ids, mask, new_tokens: int, dense: bool, device, cache=Non
 @contextmanager
 def layer_leads(model, device, ms: float):
     """Before each decoder layer of ``model``: a sync, then a spin kernel of ``ms`` (none off
-    CUDA), so the layer issues into an empty launch queue while the GPU is held. (One spin for
-    the whole forward let the launches of many layers fill the queue, and issuing then went at
-    the GPU's pace.) Yields a list that gets, as each layer's issue ends, whether its spin had
+    CUDA), so the layer issues into an empty launch queue while the GPU is held. (Under one
+    spin for the whole forward, the launches of many layers can fill the queue, and the issue
+    then goes at the GPU's pace.) Yields a list that gets, as each layer's issue ends, whether its spin had
     already ended: then the layer waited for the GPU (a sync inside it, or a spin too short), and
     its figure holds device time."""
     cycles = common.spin_cycles(ms) if device.type == "cuda" else None
