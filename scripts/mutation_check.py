@@ -319,7 +319,8 @@ MUTATIONS = (
         name="tma_partials_refuse_a_transposed_q", path="kvouter/partials_gluon_sm90.py",
         old="    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):",
         new="    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):",
-        tests=(K + "test_dispatch_capability.py::test_a_models_transposed_q_runs_the_tma_partials",),
+        tests=(K + "test_dispatch_capability.py::test_a_models_transposed_q_runs_the_tma_partials",
+               "tests/test_model_kernel_choice.py::test_a_prompts_kvouter_calls_meet_the_tma_kernels_rule"),
         what="a model's batch-1 prefill runs the tl partials kernel instead of the TMA one",
     ),  # fmt: skip
     Mutation(
