@@ -14,6 +14,11 @@ M3-shaped model and its dense twin, with the toy tokenizer) are served one at a 
   ``--seconds``;
 * a closed loop of ``--concurrency`` users (``concurrent``).
 
+``--max-batch-tokens`` (the servers' ``--cb-max-batch-tokens``, the query tokens of one step)
+takes a list: each value gets its own servers and runs, so one call shows what the step size
+does to ITL p99 when prefill chunks share steps with decodes. Without it the servers keep
+transformers' own default, listed as "default".
+
 Before them each server is warmed for ``--warmup-seconds`` by the same closed loop, whose
 figures are dropped: its first steps compile the Triton kernels of each step shape and capture
 the manager's graphs, which a long-running server has done long before.
@@ -71,7 +76,9 @@ def parse_args(argv=None):
                    help="closed-loop run before the timed ones, dropped (default 60; --quick 2)")
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
     p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="--cb-max-batch-tokens of both servers")
+    p.add_argument("--max-batch-tokens", default=None,
+                   help="--cb-max-batch-tokens of both servers, k = 1024; a comma-separated list runs each value "
+                   "(default: transformers' own)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="--cb-num-blocks of both servers (default: transformers sizes the pool from the free memory; "
                    "--quick 1024, since on the CPU that would be most of the host's memory)")
@@ -91,6 +98,13 @@ def parse_args(argv=None):
     args.concurrency = args.concurrency or (4 if q else 64)
     args.seconds = args.seconds or (8.0 if q else 60.0)
     args.num_blocks = args.num_blocks or (1024 if q else None)
+    try:
+        steps = common.int_list(args.max_batch_tokens) if args.max_batch_tokens else []
+    except ValueError:
+        steps = [0]
+    if any(n <= 0 for n in steps):
+        p.error(f"--max-batch-tokens: expected positive token counts (k = 1024), got {args.max_batch_tokens!r}")
+    args.max_batch_tokens = steps or [None]
     args.warmup_seconds = (2.0 if q else 60.0) if args.warmup_seconds is None else args.warmup_seconds
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
     if not Path(exe).exists() and shutil.which("guidellm") is None:
@@ -125,8 +139,6 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "m3_hf_attention.serve", str(checkpoint), "--continuous-batching",
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32" if args.quick else "bfloat16",
                "--device", "cpu" if args.quick else "cuda", *extra]
-        if args.max_batch_tokens:
-            cmd += ["--cb-max-batch-tokens", str(args.max_batch_tokens)]
         if args.num_blocks:
             cmd += ["--cb-num-blocks", str(args.num_blocks)]
         self.log = open(log, "w")
@@ -230,7 +242,7 @@ def pct(metric: dict, name: str) -> float | None:
     return (ok.get("percentiles") or {}).get(name) if ok.get("count") else None
 
 
-def rows_of(report: dict, args, layers: str, config: str) -> list[dict]:
+def rows_of(report: dict, args, layers: str, config: str, max_batch_tokens: int | None = None) -> list[dict]:
     rows = []
     for b in report["benchmarks"]:
         m, strategy = b["metrics"], b["config"]["strategy"]
@@ -239,8 +251,8 @@ def rows_of(report: dict, args, layers: str, config: str) -> list[dict]:
                 and (r.get("inter_token_latency_ms") or 0.0) <= args.itl_slo]
         duration = b.get("duration") or 0.0
         rows.append({
-            "layers": layers, "config": config, "strategy": strategy.get("type_"),
-            "rate": strategy.get("rate") or strategy.get("streams"),
+            "layers": layers, "config": config, "max_batch_tokens": max_batch_tokens,
+            "strategy": strategy.get("type_"), "rate": strategy.get("rate") or strategy.get("streams"),
             "requests": len(ok), "errored": len(b["requests"]["errored"]),
             "output_tok_s": (m["output_tokens_per_second"]["successful"] or {}).get("mean"),
             "requests_s": (m["requests_per_second"]["successful"] or {}).get("mean"),
@@ -252,16 +264,17 @@ def rows_of(report: dict, args, layers: str, config: str) -> list[dict]:
     return rows
 
 
-def targets(rows: list[dict], layers: str) -> dict | None:
-    """The serving issue's three figures for one layer pattern, from guidellm's runs:
+def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) -> dict | None:
+    """The serving issue's three figures for one layer pattern and step size
+    (``max_batch_tokens``, None for transformers' default), from guidellm's runs:
 
     * goodput: m3_sparse's best goodput (requests/s meeting both bounds, any run) over the dense
       twin's at the highest request rate where at least half the twin's requests met them;
     * tok/s at saturation: the best output tok/s of each configuration (its throughput run);
     * ITL p99 / p50 of m3_sparse at half its saturation: the constant-rate run whose rate is
       nearest half its best requests/s."""
-    mine = {c: [r for r in rows if r["layers"] == layers and r["config"] == c and r["requests"]]
-            for c in ("m3_sparse", "dense")}
+    mine = {c: [r for r in rows if r["layers"] == layers and r["config"] == c and r["requests"]
+                and r.get("max_batch_tokens") == max_batch_tokens] for c in ("m3_sparse", "dense")}
     if not mine["m3_sparse"] or not mine["dense"]:
         return None
     ok_dense = [r for r in mine["dense"] if (r["goodput_share"] or 0) >= 0.5 and r["strategy"] != "concurrent"]
@@ -276,7 +289,7 @@ def targets(rows: list[dict], layers: str) -> dict | None:
         return a / b if a and b else None
 
     return {
-        "layers": layers,
+        "layers": layers, "max_batch_tokens": max_batch_tokens,
         "dense_rate_req_s": dense_at and dense_at["requests_s"],
         "dense_goodput_req_s": dense_at and dense_at["goodput_requests_s"],
         "m3_goodput_req_s": m3_best["goodput_requests_s"], "m3_goodput_strategy": m3_best["strategy"],
@@ -288,29 +301,37 @@ def targets(rows: list[dict], layers: str) -> dict | None:
     }  # fmt: skip
 
 
+def step_tokens(max_batch_tokens: int | None) -> str:
+    """A step size as the tables show it: transformers' default when none was given."""
+    return "default" if max_batch_tokens is None else str(max_batch_tokens)
+
+
 def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] = ()) -> None:
     out = Path(args.out)
-    header = ["layers", "config", "strategy", "rate", "requests", "errored", "output tok/s", "req/s",
-              "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput share"]
-    table = [[r["layers"], r["config"], r["strategy"], common.fmt(r["rate"]), r["requests"], r["errored"],
-              common.fmt(r["output_tok_s"], 1), common.fmt(r["requests_s"]), common.fmt(r["ttft_p50_ms"], 1),
-              common.fmt(r["ttft_p99_ms"], 1), common.fmt(r["itl_p50_ms"]), common.fmt(r["itl_p99_ms"]),
-              common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])] for r in rows]  # fmt: skip
+    header = ["layers", "config", "strategy", "max batch tokens", "rate", "requests", "errored", "output tok/s",
+              "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput share"]
+    table = [[r["layers"], r["config"], r["strategy"], step_tokens(r.get("max_batch_tokens")), common.fmt(r["rate"]),
+              r["requests"], r["errored"], common.fmt(r["output_tok_s"], 1), common.fmt(r["requests_s"]),
+              common.fmt(r["ttft_p50_ms"], 1), common.fmt(r["ttft_p99_ms"], 1), common.fmt(r["itl_p50_ms"]),
+              common.fmt(r["itl_p99_ms"]), common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])]
+             for r in rows]  # fmt: skip
     log(common.md_table(header, table))
-    found = [t for t in (targets(rows, layers) for layers in args.layers) if t]
+    found = [t for t in (targets(rows, layers, n) for layers in args.layers for n in args.max_batch_tokens) if t]
     if found:
         log("Targets (m3_sparse against the dense twin; see targets() for how each is taken):")
         log(common.md_table(
-            ["layers", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x", "m3 sat tok/s",
-             "dense sat tok/s", "tok/s x", "m3 half rate", "m3 ITL p99/p50"],
-            [[t["layers"], common.fmt(t["dense_rate_req_s"]), common.fmt(t["dense_goodput_req_s"]),
-              common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1), common.fmt(t["m3_saturation_tok_s"], 1),
-              common.fmt(t["dense_saturation_tok_s"], 1), common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]),
-              common.fmt(t["m3_itl_p99_over_p50"], 1)] for t in found]))  # fmt: skip
+            ["layers", "max batch tokens", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x",
+             "m3 sat tok/s", "dense sat tok/s", "tok/s x", "m3 half rate", "m3 ITL p99/p50"],
+            [[t["layers"], step_tokens(t["max_batch_tokens"]), common.fmt(t["dense_rate_req_s"]),
+              common.fmt(t["dense_goodput_req_s"]), common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1),
+              common.fmt(t["m3_saturation_tok_s"], 1), common.fmt(t["dense_saturation_tok_s"], 1),
+              common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]), common.fmt(t["m3_itl_p99_over_p50"], 1)]
+             for t in found]))  # fmt: skip
     if failures:
         log("Failed (each configuration's runs stop at its first failure):")
-        log(common.md_table(["layers", "config", "run", "why"],
-                            [[f["layers"], f["config"], f["run"], f["why"]] for f in failures]))
+        log(common.md_table(["layers", "config", "max batch tokens", "run", "why"],
+                            [[f["layers"], f["config"], step_tokens(f.get("max_batch_tokens")), f["run"], f["why"]]
+                             for f in failures]))
     common.write_json(out / "bench_server.json", {"environment": common.environment(), "args": vars(args),
                                                   "rows": rows, "targets": found, "failures": list(failures)})
     log.write(out / "bench_server.md")
@@ -319,13 +340,18 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
         log(why)
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (layers, config) in sorted({(r["layers"], r["config"]) for r in rows}):
-        mine = sorted((r for r in rows if (r["layers"], r["config"]) == (layers, config) and r["output_tok_s"]),
-                      key=lambda r: r["output_tok_s"])
+
+    def series(r):
+        return r["layers"], r["config"], step_tokens(r.get("max_batch_tokens"))
+
+    for key in sorted({series(r) for r in rows}):
+        layers, config, steps = key
+        mine = sorted((r for r in rows if series(r) == key and r["output_tok_s"]), key=lambda r: r["output_tok_s"])
+        label = f"{config} {layers}" + ("" if len(args.max_batch_tokens) == 1 else f" {steps}")
         x = [r["output_tok_s"] for r in mine]
-        for ax, key in zip(axes, ("ttft", "itl")):
+        for ax, metric in zip(axes, ("ttft", "itl")):
             for q, style in (("p50", "-o"), ("p99", "--x")):
-                ax.plot(x, [r[f"{key}_{q}_ms"] for r in mine], style, label=f"{config} {layers} {q}")
+                ax.plot(x, [r[f"{metric}_{q}_ms"] for r in mine], style, label=f"{label} {q}")
     for ax, title in zip(axes, ("TTFT", "ITL")):
         ax.set(xlabel="output tok/s", ylabel=f"{title} ms", yscale="log", title=f"{title} against throughput")
         ax.legend(fontsize=7)
@@ -341,26 +367,31 @@ def main(argv=None) -> int:
     log(*common.header("m3-serve under load (guidellm)"))
     log(f"- prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new tokens; sweep of {args.sweep_size} "
         f"runs and {args.concurrency} closed-loop users, {args.seconds:g} s each; goodput: TTFT <= {args.ttft_slo:g} ms "
-        f"and mean ITL <= {args.itl_slo:g} ms")
+        f"and mean ITL <= {args.itl_slo:g} ms; max batch tokens "
+        f"{', '.join(step_tokens(n) for n in args.max_batch_tokens)}")
     rows, failures = [], []
     for layers in args.layers:
         models = save_models(args, layers, out / "models")
-        for config in args.configs:
+        for steps, config in ((n, c) for n in args.max_batch_tokens for c in args.configs):
             name, extra = CONFIGS[config]
             checkpoint = models / f"{name}-{layers}"
+            # Files keep their plain names at transformers' default step size.
+            suffix = "" if steps is None else f"-mbt{steps}"
+            if steps is not None:
+                extra = [*extra, "--cb-max-batch-tokens", str(steps)]
             closed = f"kind=concurrent,streams={args.concurrency}"
             runs = [(closed, "warmup", args.warmup_seconds)] if args.warmup_seconds > 0 else []
             runs += [(f"kind=sweep,sweep_size={args.sweep_size}", "sweep", args.seconds),
                      (closed, "concurrent", args.seconds)]
-            server, server_log, tag, stem = None, out / f"server-{config}-{layers}.log", "start", ""
+            server, server_log, tag, stem = None, out / f"server-{config}-{layers}{suffix}.log", "start", ""
             try:
                 server = ServerProcess(checkpoint, extra, args, server_log)
                 for profile, tag, seconds in runs:
-                    stem = f"guidellm-{config}-{layers}-{tag}"
+                    stem = f"guidellm-{config}-{layers}{suffix}-{tag}"
                     report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
                                           out / f"{stem}.log", seconds)
                     if tag != "warmup":
-                        rows += rows_of(report, args, layers, config)
+                        rows += rows_of(report, args, layers, config, steps)
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),
                                                                       "args": vars(args), "rows": rows})
@@ -368,8 +399,9 @@ def main(argv=None) -> int:
                 # The other configurations still run: a server that dies under load is a finding
                 # of the benchmark, and its twin's figures stay worth having.
                 why = failure(e, server, server_log, out / f"{stem}.log")
-                failures.append({"layers": layers, "config": config, "run": tag, "why": why})
-                log(f"- {config} {layers}: the {tag} run failed: {why}")
+                failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
+                                 "why": why})
+                log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed: {why}")
             finally:
                 if server is not None:
                     server.stop()

@@ -58,12 +58,81 @@ def test_targets_from_guidellm_rows():
         row("m3_sparse", "throughput", None, 2.2, 120.0, 0.2, 0.1),
         row("m3_sparse", "concurrent", 64, 2.0, 115.0, 0.0, 0.0),
     ]
-    t = bench_server.targets(rows, "sfs")
+    # Another step size's runs, which would win every figure if they were counted with these.
+    other = [dict(r, max_batch_tokens=1024, requests_s=r["requests_s"] * 10, output_tok_s=r["output_tok_s"] * 10,
+                  goodput_requests_s=r["goodput_requests_s"] * 10) for r in rows]
+    t = bench_server.targets(rows + other, "sfs")
+    assert t["max_batch_tokens"] is None
     assert t["dense_rate_req_s"] == 0.2 and t["dense_goodput_req_s"] == 0.12
     assert t["m3_goodput_req_s"] == 0.9 and abs(t["goodput_ratio"] - 7.5) < 1e-9
     assert abs(t["tok_s_ratio"] - 10.0) < 1e-9
     assert t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
     assert bench_server.targets([r for r in rows if r["config"] == "dense"], "sfs") is None
+    t = bench_server.targets(rows + other, "sfs", 1024)
+    assert t["max_batch_tokens"] == 1024 and t["dense_rate_req_s"] == 2.0 and t["m3_saturation_tok_s"] == 1200.0
+    assert bench_server.targets(rows + other, "sfs", 512) is None
+
+
+def _fake_guidellm(tmp_path: Path) -> Path:
+    """A guidellm that answers every run with an empty report."""
+    fake = tmp_path / "guidellm"
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+out = next(a.split("path=")[1] for a in sys.argv if a.startswith("kind=json,path="))
+pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_each_max_batch_tokens_value_gets_its_own_servers(tmp_path, monkeypatch):
+    """``--max-batch-tokens 2k,512``: both configurations are served at each step size, each
+    server started with its ``--cb-max-batch-tokens``, and each value's files named apart."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    started = []
+
+    class Server:
+        def __init__(self, checkpoint, extra, args, log):
+            started.append((checkpoint.name, extra))
+            log.write_text("INFO: started\n")
+            self.port, self.proc = 1, argparse.Namespace(poll=lambda: None, returncode=None, wait=lambda s: None)
+
+        def stop(self):
+            pass
+
+    def models(args, pattern, where):
+        for name in ("m3", "dense"):
+            (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
+        return where
+
+    monkeypatch.setattr(bench_server, "ServerProcess", Server)
+    monkeypatch.setattr(bench_server, "save_models", models)
+    code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(_fake_guidellm(tmp_path)),
+                              "--seconds", "1", "--warmup-seconds", "0", "--max-batch-tokens", "2k,512"])
+    assert code == 0
+    sdpa = ["--attn-implementation", "sdpa"]
+    assert started == [
+        ("m3-sf", ["--cb-max-batch-tokens", "2048"]), ("dense-sf", [*sdpa, "--cb-max-batch-tokens", "2048"]),
+        ("m3-sf", ["--cb-max-batch-tokens", "512"]), ("dense-sf", [*sdpa, "--cb-max-batch-tokens", "512"]),
+    ]
+    for steps in (2048, 512):
+        for config in ("m3_sparse", "dense"):
+            assert (tmp_path / f"guidellm-{config}-sf-mbt{steps}-sweep.json").is_file()
+            assert (tmp_path / f"server-{config}-sf-mbt{steps}.log").is_file()
+    assert json.loads((tmp_path / "bench_server.json").read_text())["args"]["max_batch_tokens"] == [2048, 512]
+
+
+@pytest.mark.parametrize("given", ["0", "2k,-512", "many"])
+def test_max_batch_tokens_must_be_positive_counts(given, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    with pytest.raises(SystemExit) as e:
+        bench_server.parse_args(["--quick", "--guidellm", sys.executable, "--max-batch-tokens", given])
+    assert e.value.code == 2
+    assert f"--max-batch-tokens: expected positive token counts (k = 1024), got {given!r}" in capsys.readouterr().err
 
 
 def test_a_guidellm_run_that_never_ends_is_made_again(tmp_path, monkeypatch):
@@ -143,4 +212,4 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
     (failed,) = result["failures"]
     assert failed["config"] == "m3_sparse" and failed["run"] == "sweep"
     assert failed["why"].startswith("the server stopped (exit 1): [transformers] The engine of m died: ")
-    assert "| sf | m3_sparse | sweep | the server stopped" in (tmp_path / "bench_server.md").read_text()
+    assert "| sf | m3_sparse | default | sweep | the server stopped" in (tmp_path / "bench_server.md").read_text()
