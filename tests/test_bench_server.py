@@ -73,6 +73,18 @@ def test_targets_from_guidellm_rows():
     assert bench_server.targets(rows + other, "sfs", 512) is None
 
 
+def _serve_with(monkeypatch, bench_server, server_class) -> None:
+    """bench_server's servers made by ``server_class`` over empty checkpoint folders."""
+
+    def models(args, pattern, where):
+        for name in ("m3", "dense"):
+            (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
+        return where
+
+    monkeypatch.setattr(bench_server, "ServerProcess", server_class)
+    monkeypatch.setattr(bench_server, "save_models", models)
+
+
 def _fake_guidellm(tmp_path: Path) -> Path:
     """A guidellm that answers every run with an empty report."""
     fake = tmp_path / "guidellm"
@@ -102,13 +114,7 @@ def test_each_max_batch_tokens_value_gets_its_own_servers(tmp_path, monkeypatch)
         def stop(self):
             pass
 
-    def models(args, pattern, where):
-        for name in ("m3", "dense"):
-            (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
-        return where
-
-    monkeypatch.setattr(bench_server, "ServerProcess", Server)
-    monkeypatch.setattr(bench_server, "save_models", models)
+    _serve_with(monkeypatch, bench_server, Server)
     code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(_fake_guidellm(tmp_path)),
                               "--seconds", "1", "--warmup-seconds", "0", "--max-batch-tokens", "2k,512"])
     assert code == 0
@@ -195,13 +201,7 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
         def stop(self):
             pass
 
-    def models(args, pattern, where):
-        for name in ("m3", "dense"):
-            (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
-        return where
-
-    monkeypatch.setattr(bench_server, "ServerProcess", Server)
-    monkeypatch.setattr(bench_server, "save_models", models)
+    _serve_with(monkeypatch, bench_server, Server)
     real_run = bench_server.run_guidellm
     monkeypatch.setattr(bench_server, "run_guidellm", lambda args, port, model, *rest: real_run(
         args, port, "dies" if "m3-" in model else model, *rest))
