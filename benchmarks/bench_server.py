@@ -99,10 +99,10 @@ def parse_args(argv=None):
     args.seconds = args.seconds or (8.0 if q else 60.0)
     args.num_blocks = args.num_blocks or (1024 if q else None)
     try:
-        steps = common.int_list(args.max_batch_tokens) if args.max_batch_tokens else []
-    except ValueError:
-        steps = [0]
-    if any(n <= 0 for n in steps):
+        steps = common.int_list(args.max_batch_tokens or "")
+    except ValueError:  # not a count
+        steps = None
+    if steps is None or any(n <= 0 for n in steps):
         p.error(f"--max-batch-tokens: expected positive token counts (k = 1024), got {args.max_batch_tokens!r}")
     args.max_batch_tokens = steps or [None]
     args.warmup_seconds = (2.0 if q else 60.0) if args.warmup_seconds is None else args.warmup_seconds
