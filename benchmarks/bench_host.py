@@ -168,9 +168,9 @@ def layer_leads(model, device, ms: float):
     """Before each decoder layer of ``model``: a sync, then a spin kernel of ``ms`` (none off
     CUDA), so the layer issues into an empty launch queue while the GPU is held. (Under one
     spin for the whole forward, the launches of many layers can fill the queue, and the issue
-    then goes at the GPU's pace.) Yields a list that gets, as each layer's issue ends, whether its spin had
-    already ended: then the layer waited for the GPU (a sync inside it, or a spin too short), and
-    its figure holds device time."""
+    then goes at the GPU's pace.) Yields a list that gets, as each layer's issue ends, whether
+    its spin had already ended: then the layer waited for the GPU (a sync inside it, or a spin
+    too short), and its figure holds device time."""
     cycles = common.spin_cycles(ms) if device.type == "cuda" else None
     caught_up: list[bool] = []
     done = []

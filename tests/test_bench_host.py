@@ -53,8 +53,8 @@ def test_prefill_run_writes_every_configuration_and_the_prefill_pieces(tmp_path,
 
 
 def test_the_prefill_table_says_where_the_gpu_caught_up():
-    """A repetition whose spin ended before its forward was issued is counted, and the table
-    says that such figures are not host time; a clean run carries no such note."""
+    """A repetition in which a layer's spin ended before that layer was issued is counted, and
+    the table says that such figures are not host time; a clean run carries no such note."""
     args = bench_host.parse_args(["--quick", "--prefill", "--reps", "3"])
     row = {"config": "m3_sparse-eager", "sparse_layer_ms": 0.5, "full_layer_ms": 0.4, "sparse_layer_each_ms": [0.5]}
     clean = bench_host.prefill_table([dict(row, gpu_caught_up=0)], args)
