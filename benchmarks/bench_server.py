@@ -29,7 +29,9 @@ ITL <= ``--itl-slo`` ms (from guidellm's per-request figures). Written to OUT: b
 (every row, with guidellm's own JSON of each server beside it), bench_server.md and
 bench_server.png (p50 / p99 latency against output tok/s). A configuration whose server stops
 (or whose guidellm fails) is listed with the reason, from the server's log, under "Failed"; the
-other configurations still run, and the exit status is 1.
+other configurations still run, and the exit status is 1. SIGTERM (a time limit's) or Ctrl-C
+stops the server and guidellm run of the moment, writes the rows so far with the interrupted run
+under "Failed", and exits with 128 + the signal's number.
 
 guidellm's OpenAI backend sends vLLM's ``ignore_eos`` when the data fixes output lengths, and
 transformers' server refuses unknown fields (422); the new tokens go as the backend's
@@ -144,6 +146,13 @@ class ServerProcess:
         self.log = open(log, "w")
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self.wait_ready(log)
+        except BaseException:  # not answering, or interrupted while it starts: no server left behind
+            self.stop(grace_s=2.0)
+            raise
+
+    def wait_ready(self, log: Path) -> None:
         import httpx
 
         deadline = time.monotonic() + 600
@@ -156,14 +165,14 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.stop()
         raise RuntimeError(f"the server did not answer in 600 s: see {log}")
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
@@ -174,6 +183,28 @@ class ServerProcess:
 # a loaded machine more often: a run gets this long beyond its own length, then it is stopped and
 # made again, once.
 GUIDELLM_GRACE_S = 120.0
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to a process started in its own session: guidellm and its worker processes."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT while the runs go on (a BaseException, as KeyboardInterrupt is, so that
+    no ``except Exception`` on the way takes it for an error of its own)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log: Path, seconds: float) -> dict:
@@ -195,11 +226,13 @@ def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log:
             try:
                 code = proc.wait(limit)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # guidellm and its worker processes
-                proc.wait()
+                kill_group(proc)
                 print(f"guidellm ({profile}) made no result in {limit:g} s; "
                       f"{'running it again' if attempt == 1 else 'giving up'}: see {log}", file=sys.stderr)
                 continue
+            except BaseException:  # Interrupted: its own session keeps it alive unless killed here.
+                kill_group(proc)
+                raise
         if code != 0:
             raise subprocess.CalledProcessError(code, cmd)
         return json.loads(out_json.read_text())
@@ -369,7 +402,27 @@ def main(argv=None) -> int:
         f"runs and {args.concurrency} closed-loop users, {args.seconds:g} s each; goodput: TTFT <= {args.ttft_slo:g} ms "
         f"and mean ITL <= {args.itl_slo:g} ms; max batch tokens "
         f"{', '.join(step_tokens(n) for n in args.max_batch_tokens)}")
+    # The servers and guidellm runs sit in sessions of their own, so that a kill of their process
+    # group reaches their workers; the same makes them outlive this process. A time limit's
+    # SIGTERM (or Ctrl-C) therefore ends the runs here: each child is stopped, and the rows so
+    # far are written with the interruption listed under "Failed".
+    previous = {signum: signal.signal(signum, raise_interrupted) for signum in (signal.SIGTERM, signal.SIGINT)}
     rows, failures = [], []
+    try:
+        run_all(args, out, log, rows, failures)
+        code = 1 if failures else 0
+    except Interrupted as e:
+        code = 128 + e.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    write_outputs(args, rows, log, failures)
+    return code
+
+
+def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[dict]) -> None:
+    """Every pattern, step size and configuration in turn; rows and failures are appended as
+    they come."""
     for layers in args.layers:
         models = save_models(args, layers, out / "models")
         for steps, config in ((n, c) for n in args.max_batch_tokens for c in args.configs):
@@ -402,11 +455,19 @@ def main(argv=None) -> int:
                 failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
                                  "why": why})
                 log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed: {why}")
+            except Interrupted as e:
+                failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
+                                 "why": f"interrupted by {e}"})
+                log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run was interrupted "
+                    f"by {e}; stopping its server")
+                if server is not None:
+                    # A time limit's SIGKILL follows its SIGTERM soon: no graceful minute.
+                    server.stop(grace_s=2.0)
+                    server = None
+                raise
             finally:
                 if server is not None:
                     server.stop()
-    write_outputs(args, rows, log, failures)
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

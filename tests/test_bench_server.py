@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +216,81 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
     assert failed["config"] == "m3_sparse" and failed["run"] == "sweep"
     assert failed["why"].startswith("the server stopped (exit 1): [transformers] The engine of m died: ")
     assert "| sf | m3_sparse | default | sweep | the server stopped" in (tmp_path / "bench_server.md").read_text()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc")
+def test_sigterm_stops_the_server_and_guidellm_and_keeps_the_rows_so_far(tmp_path):
+    """A time limit's SIGTERM in the middle of a run: the server and guidellm, each in a session
+    of its own with a worker of its own, are stopped with their workers (they once outlived a
+    killed benchmark and held the GPU), the report is written with the interrupted run, and the
+    exit status is 128 + 15."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    fake = tmp_path / "guidellm"  # the warm-up answers; the sweep hangs with a worker beside it
+    fake.write_text(f"""#!{sys.executable}
+import json, os, pathlib, subprocess, sys, time
+out = next(a.split("path=")[1] for a in sys.argv if a.startswith("kind=json,path="))
+if not any(a.startswith("kind=sweep") for a in sys.argv):
+    pathlib.Path(out).write_text(json.dumps({{"benchmarks": []}}))
+    sys.exit(0)
+worker = subprocess.Popen(["sleep", "600"])
+pathlib.Path({str(pids)!r}, "guidellm").write_text(f"{{os.getpid()}} {{worker.pid}}")
+time.sleep(600)
+""")
+    fake.chmod(0o755)
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import subprocess, sys
+from pathlib import Path
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import bench_server
+
+class Server(bench_server.ServerProcess):  # a server process group: a shell and its worker
+    def __init__(self, checkpoint, extra, args, log):
+        self.port, self.log = 1, open(log, "w")
+        self.proc = subprocess.Popen(["sh", "-c", "sleep 600 & echo $$ $! > {pids}/server; wait"],
+                                     start_new_session=True)
+
+def models(args, pattern, where):
+    for name in ("m3", "dense"):
+        (where / f"{{name}}-{{pattern}}").mkdir(parents=True, exist_ok=True)
+    return where
+
+bench_server.ServerProcess, bench_server.save_models = Server, models
+sys.exit(bench_server.main(["--quick", "--out", {str(tmp_path)!r}, "--guidellm", {str(fake)!r},
+                            "--seconds", "1", "--warmup-seconds", "1"]))
+""")
+    proc = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    started = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(started) < 4 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # until both have written their two pids (a file may be half written)
+            started = [int(p) for f in pids.iterdir() for p in f.read_text().split()]
+        assert len(started) == 4 and all(_alive(p) for p in started), proc.poll()
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        deadline = time.monotonic() + 10  # a killed group's processes may take a moment to go
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if _alive(p)], output
+    finally:
+        proc.kill()
+        for pid in started:  # what a failure above leaves behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    (failed,) = json.loads((tmp_path / "bench_server.json").read_text())["failures"]
+    assert failed == {"layers": "sf", "config": "m3_sparse", "max_batch_tokens": None, "run": "sweep",
+                      "why": "interrupted by SIGTERM"}
+    assert "| sf | m3_sparse | default | sweep | interrupted by SIGTERM |" in (tmp_path / "bench_server.md").read_text()
