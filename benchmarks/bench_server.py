@@ -19,9 +19,12 @@ takes a list: each value gets its own servers and runs, so one call shows what t
 does to ITL p99 when prefill chunks share steps with decodes. Without it the servers keep
 transformers' own default, listed as "default".
 
-Before them each server is warmed for ``--warmup-seconds`` by the same closed loop, whose
-figures are dropped: its first steps compile the Triton kernels of each step shape and capture
-the manager's graphs, which a long-running server has done long before.
+Before them each server is warmed by two runs of ``--warmup-seconds`` each, whose figures are
+dropped: one request at a time, then the closed loop. Their first steps compile the Triton
+kernels of each step shape and capture the manager's graphs, which a long-running server has
+done long before. The closed loop alone leaves the shapes of a lone request (its prefill
+chunks, a decode step of one row) to the sweep's first run, whose requests then wait seconds
+for their compiles.
 
 Per run: output tok/s, requests/s, TTFT and ITL p50 / p99 (guidellm's, ITL pooled over every
 gap of every request), and goodput: requests/s of those with TTFT <= ``--ttft-slo`` ms and a mean
@@ -75,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default 64; --quick 4)")
     p.add_argument("--seconds", type=float, default=None, help="length of each run (default 60; --quick 8)")
     p.add_argument("--warmup-seconds", type=float, default=None,
-                   help="closed-loop run before the timed ones, dropped (default 60; --quick 2)")
+                   help="length of each of the two warm-up runs (one request at a time, then the closed "
+                        "loop), dropped (default 30; --quick 1)")
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
     p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
     p.add_argument("--max-batch-tokens", default=None,
@@ -107,7 +111,7 @@ def parse_args(argv=None):
     if steps is None or any(n <= 0 for n in steps):
         p.error(f"--max-batch-tokens: expected positive token counts (k = 1024), got {args.max_batch_tokens!r}")
     args.max_batch_tokens = steps or [None]
-    args.warmup_seconds = (2.0 if q else 60.0) if args.warmup_seconds is None else args.warmup_seconds
+    args.warmup_seconds = (1.0 if q else 30.0) if args.warmup_seconds is None else args.warmup_seconds
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
     if not Path(exe).exists() and shutil.which("guidellm") is None:
         p.error("guidellm is not installed (pip install guidellm; offline: carry its wheels)")
@@ -433,7 +437,8 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
             if steps is not None:
                 extra = [*extra, "--cb-max-batch-tokens", str(steps)]
             closed = f"kind=concurrent,streams={args.concurrency}"
-            runs = [(closed, "warmup", args.warmup_seconds)] if args.warmup_seconds > 0 else []
+            warmups = [("kind=synchronous", "warmup-sync"), (closed, "warmup")]
+            runs = [(profile, tag, args.warmup_seconds) for profile, tag in warmups] if args.warmup_seconds > 0 else []
             runs += [(f"kind=sweep,sweep_size={args.sweep_size}", "sweep", args.seconds),
                      (closed, "concurrent", args.seconds)]
             server, server_log, tag, stem = None, out / f"server-{config}-{layers}{suffix}.log", "start", ""
@@ -443,7 +448,7 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                     stem = f"guidellm-{config}-{layers}{suffix}-{tag}"
                     report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
                                           out / f"{stem}.log", seconds)
-                    if tag != "warmup":
+                    if not tag.startswith("warmup"):
                         rows += rows_of(report, args, layers, config, steps)
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),

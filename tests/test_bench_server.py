@@ -27,8 +27,12 @@ def test_quick_run_reports_each_server_under_guidellm(tmp_path):
     assert {(r["config"], r["strategy"]) for r in rows} >= {
         (c, s) for c in ("m3_sparse", "dense") for s in ("synchronous", "concurrent")
     }
-    # The warm-up run is written beside the others, and none of its figures is a row.
-    assert (tmp_path / "guidellm-m3_sparse-sf-warmup.json").is_file()
+    # The warm-up runs (one request at a time, then the closed loop) are written beside the
+    # others, and none of their figures is a row.
+    for config in ("m3_sparse", "dense"):
+        for warmup, strategy in (("warmup-sync", "synchronous"), ("warmup", "concurrent")):
+            report = json.loads((tmp_path / f"guidellm-{config}-sf-{warmup}.json").read_text())
+            assert [b["config"]["strategy"]["type_"] for b in report["benchmarks"]] == [strategy], warmup
     assert sorted(r["config"] for r in rows if r["strategy"] == "concurrent") == ["dense", "m3_sparse"]
     for r in rows:
         assert r["errored"] == 0, r
