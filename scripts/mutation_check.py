@@ -316,6 +316,20 @@ MUTATIONS = (
         what="a decode step's index prep compiles again beside the prefill's",
     ),  # fmt: skip
     Mutation(
+        name="kvouter_build_specializes_its_rows", path="kvouter/build_triton.py",
+        old='common = dict(C=self.chunk, TK=tk, BB=seq_block(self.batch),',
+        new='common = dict(C=self.chunk, TK=tk, BB=max(2, next_pow2(self.batch)),',
+        tests=(K + "test_gpu_compile.py::test_lengths_share_their_compiles",),
+        what="a serving step with one more prefill row compiles KV-outer's index build again",
+    ),  # fmt: skip
+    Mutation(
+        name="decode_specializes_its_table_width", path="decode/attention_triton.py",
+        old='@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "stride_bt"])',
+        new='@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])',
+        tests=(K + "test_gpu_compile.py::test_lengths_share_their_compiles",),
+        what="a decode step over block tables of another width compiles the decode kernel again",
+    ),  # fmt: skip
+    Mutation(
         name="tma_partials_refuse_a_transposed_q", path="kvouter/partials_gluon_sm90.py",
         old="    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):",
         new="    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):",

@@ -251,7 +251,12 @@ def calls() -> dict[str, Call]:
     long = Batch(16, 4096, w=128)  # enough row tiles to fill the GPU: no key splits
     long128 = Batch(16, 4096, p=128, w=64)
     many = Batch(256, 1)  # enough (token, KV head) pairs to fill the GPU: one split
-    other = Batch(2, 509)  # a prompt of another length: 1018 tokens, not a multiple of 16
+    # Prompts of another length (509 tokens each, not a multiple of 16) over block tables of
+    # another width (42 pages, not a multiple of 16; a serving step's tables are as wide as its
+    # longest history); for KV-outer, whose index build sees every prefill row of a step, one
+    # prompt more (252 segments of 4 heads x 3 prompts x 21 blocks, not a multiple of 16
+    # either); decode steps of another batch size over tables of another width.
+    other, other_rows, other_decode = Batch(2, 509, w=42), Batch(3, 509, w=42), Batch(20, 1, w=42)
     return {
         # index branch: prep
         "index prep, bf16, keys into the pool": Call(lambda: prep(prefill, BF16, into_pool=True)),
@@ -263,7 +268,7 @@ def calls() -> dict[str, Call]:
         "index top-k long prefill": Call(lambda: index(long)),
         "index top-k prefill, a prompt of another length": Call(lambda: index(other)),
         "index top-k decode (key splits and their merge)": Call(lambda: index(decode)),
-        "index top-k decode, another batch": Call(lambda: index(Batch(20, 1))),
+        "index top-k decode, another batch": Call(lambda: index(other_decode)),
         "index top-k decode, key-major": Call(lambda: index(decode, config=IndexConfig(key_major=True))),
         "index top-k fp16, pages of 128, top-32": Call(lambda: index(Batch(2, 512, p=128), q=FP16, topk=32)),
         "index top-k fp32": Call(lambda: index(prefill, q=FP32, d=64)),
@@ -287,7 +292,7 @@ def calls() -> dict[str, Call]:
             lambda: index(long128, topk=4, local_blocks=2, config=IndexConfig(engine="tma")), gluon=True),
         # sparse attention: the decode kernel
         "sparse decode (key splits, merged in place)": Call(lambda: attention(sparse, decode)),
-        "sparse decode, another batch": Call(lambda: attention(sparse, Batch(20, 1))),
+        "sparse decode, another batch": Call(lambda: attention(sparse, other_decode)),
         "sparse decode, merge kernel": Call(lambda: attention(decode_op, decode, config=DecodeConfig(fused_merge=False))),
         "sparse decode, one split": Call(lambda: attention(sparse, many)),
         "sparse decode, 64-row chunks": Call(lambda: attention(sparse, step_chunk)),
@@ -300,7 +305,7 @@ def calls() -> dict[str, Call]:
         # sparse attention: KV-outer (index build, schedule, partials, combine)
         # (Two sequences: the decode kernel's short-row variant launches beside KV-outer.)
         "sparse prefill (KV-outer)": Call(lambda: attention(sparse, prefill)),
-        "sparse prefill (KV-outer), a prompt of another length": Call(lambda: attention(sparse, other)),
+        "sparse prefill (KV-outer), prompts of another length and count": Call(lambda: attention(sparse, other_rows)),
         "sparse prefill, fp8 q/K/V": Call(lambda: attention(sparse, prefill, q=FP8), fp8=True),
         "KV-outer, tl partials": Call(lambda: attention(kvouter, prefill, config=KVOuterConfig(engine="triton"))),
         "KV-outer, fp16, G = 3, D = 64, bidirectional": Call(
@@ -330,10 +335,10 @@ def calls() -> dict[str, Call]:
             lambda: attention(kvouter, prefill, q=FP8, config=KVOuterConfig(engine="triton")), fp8=True),
         "KV-outer, Gluon partials pinned": Call(
             lambda: attention(kvouter, prefill, config=KVOuterConfig(engine="tma")), gluon=True),
-        "KV-outer, Gluon partials pinned, a prompt of another length": Call(
-            lambda: attention(kvouter, other, config=KVOuterConfig(engine="tma")), gluon=True),
-        "KV-outer, tl partials, a prompt of another length": Call(
-            lambda: attention(kvouter, other, config=KVOuterConfig(engine="triton"))),
+        "KV-outer, Gluon partials pinned, prompts of another length and count": Call(
+            lambda: attention(kvouter, other_rows, config=KVOuterConfig(engine="tma")), gluon=True),
+        "KV-outer, tl partials, prompts of another length and count": Call(
+            lambda: attention(kvouter, other_rows, config=KVOuterConfig(engine="triton"))),
         # sparse attention: query-outer tiles (the dense kernel's sparse mode)
         "query-outer prefill": Call(lambda: attention(qouter, long)),
         "query-outer prefill, gathered K/V, key splits": Call(
@@ -351,6 +356,8 @@ def calls() -> dict[str, Call]:
         "dense prefill, gathered K/V": Call(
             lambda: attention(dense, prefill, sparse=False, config=DenseConfig(use_tma=False))),
         "dense decode (key splits and their merge)": Call(lambda: attention(dense, decode, sparse=False)),
+        # (The same width: a narrower table bounds the history, and the dense decode plan takes
+        # fewer key splits for it.)
         "dense decode, another batch": Call(lambda: attention(dense, Batch(20, 1), sparse=False)),
         "dense decode, pages of 128": Call(lambda: attention(dense, Batch(4, 1, p=128, w=32), sparse=False)),
         "dense prefill, D = 256": Call(lambda: attention(dense, prefill, d=256, sparse=False)),

@@ -105,13 +105,14 @@ def test_each_gpu_gets_the_kernels_it_has(recorded, arch):
 
 
 # Calls that must share every compile: a model's prefill and its decode steps (index prep),
-# prompts of two lengths (one a multiple of 16, one not), and decode steps of two batch sizes.
+# prompts of two lengths (one a multiple of 16, one not) over block tables of two widths (the
+# same), KV-outer over two and three prompts, and decode steps of two batch sizes (and widths).
 SAME_COMPILES = [
     ("index prep, bf16, keys into the pool", "index prep, bf16, a decode step's keys into the pool"),
     ("index top-k prefill (key splits and their merge)", "index top-k prefill, a prompt of another length"),
-    ("sparse prefill (KV-outer)", "sparse prefill (KV-outer), a prompt of another length"),
-    ("KV-outer, tl partials", "KV-outer, tl partials, a prompt of another length"),
-    ("KV-outer, Gluon partials pinned", "KV-outer, Gluon partials pinned, a prompt of another length"),
+    ("sparse prefill (KV-outer)", "sparse prefill (KV-outer), prompts of another length and count"),
+    ("KV-outer, tl partials", "KV-outer, tl partials, prompts of another length and count"),
+    ("KV-outer, Gluon partials pinned", "KV-outer, Gluon partials pinned, prompts of another length and count"),
     ("dense prefill", "dense prefill, a prompt of another length"),
     # a server's steps take many batch sizes
     ("sparse decode (key splits, merged in place)", "sparse decode, another batch"),

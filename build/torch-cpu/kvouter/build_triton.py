@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 import torch
 
-from ..core.launch import contiguous, int32_parts, launch_kernel, next_pow2
+from ..core.launch import contiguous, int32_parts, launch_kernel, next_pow2, seq_block
 from ..core.validate import check_positive_int
 from .build import KVOuterIndex, validate_build
 
@@ -144,7 +144,7 @@ def _bitonic_sort(x, N: tl.constexpr, LOG_N: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "max_blocks"])  # counts (core.launch: specializations)
 def _chunk_rank_kernel(
     sel_ptr,
     cu_ptr,
@@ -197,7 +197,7 @@ def _chunk_rank_kernel(
     tl.store(p_cnt, rank + 1, mask=last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "max_blocks"])  # counts (core.launch: specializations)
 def _chunk_scan_kernel(
     cu_ptr,
     cnt_ptr,
@@ -236,7 +236,7 @@ def _chunk_scan_kernel(
     tl.store(tot_ptr + seg, b_run, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # a count (core.launch: specializations)
 def _segment_prefix_kernel(
     src_ptr,
     off_ptr,
@@ -293,7 +293,7 @@ def segment_prefix(src: torch.Tensor, off: torch.Tensor | None, tile: torch.Tens
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "max_blocks"])  # counts (core.launch: specializations)
 def _scatter_kernel(
     sel_ptr,
     cu_ptr,
@@ -367,8 +367,8 @@ class BuildLaunch:
     def _settings(self) -> tuple:
         tk = next_pow2(self.topk)
         max_chunks = -(-self.num_tokens // self.chunk) + self.batch  # each sequence wastes at most one partial chunk
-        blk = min(SCAN_BLOCKS, next_pow2(self.max_blocks))
-        common = dict(C=self.chunk, TK=tk, BB=max(2, next_pow2(self.batch)), UNROLL=tk <= UNROLL_TOPK, num_warps=4)
+        blk = SCAN_BLOCKS  # not fewer for short histories: one compile for every length
+        common = dict(C=self.chunk, TK=tk, BB=seq_block(self.batch), UNROLL=tk <= UNROLL_TOPK, num_warps=4)
         rank = dict(common, KEY64=self.max_blocks * self.chunk * tk >= KEY32_LIMIT)
         scan = dict(C=self.chunk, BB=common["BB"], BLK=blk, U=SCAN_CHUNKS, num_warps=4)
         grids = ((max_chunks, self.hkv), (triton.cdiv(self.max_blocks, blk), self.hkv, self.batch))

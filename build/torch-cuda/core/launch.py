@@ -211,10 +211,13 @@ def _stream_handle(device: torch.device):
 # on the other side of it, or for the first decode step after a prefill. Such parameters are
 # declared ``do_not_specialize`` on their kernel, and a launcher passes no length-derived
 # constant (a block size chosen from the length): the lengths of a model's calls share one
-# compile per kernel (tests/kernels/test_gpu_compile.py checks it for every target). Kernels
-# that find a token's sequence count over whole vectors of ``cu_seqlens_q`` (one load for a
-# decode batch) take at least SEQ_VECTOR_MIN sequences a vector, so that the batch sizes a
-# server steps through, up to that many requests, share one compile too.
+# compile per kernel (tests/kernels/test_gpu_compile.py checks it for every target). So do
+# the widths of block tables (their row stride): a serving step's tables are as wide as its
+# longest request's history, so every step may bring another. Kernels that find a token's
+# sequence count over whole vectors of ``cu_seqlens_q`` (one load for a decode batch, or a
+# step's prefill rows in KV-outer's index build) take at least SEQ_VECTOR_MIN sequences a
+# vector, so that the batch sizes a server steps through, up to that many requests, share one
+# compile too.
 SEQ_VECTOR_MIN, SEQ_VECTOR_MAX = 64, 1024
 
 
@@ -222,6 +225,12 @@ def seq_vector(batch: int) -> tuple[int, int]:
     """(sequences a vector, vectors) of such a count over ``batch`` sequences."""
     chunk = min(SEQ_VECTOR_MAX, max(SEQ_VECTOR_MIN, next_pow2(batch)))
     return chunk, -(-batch // chunk)
+
+
+def seq_block(count: int) -> int:
+    """The width of one vector over ``count`` entries per sequence (all of them at once, for
+    kernels that take no loop over vectors): a power of two, at least SEQ_VECTOR_MIN."""
+    return max(SEQ_VECTOR_MIN, next_pow2(count))
 
 
 # --------------------------------------------------------------------------- launches

@@ -119,7 +119,7 @@ def attend_key_tile(
     return online_softmax_step(acc, m_i, l_i, b_s, b_v, PREC, PV_DT)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])  # counts (core.launch: specializations)
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "stride_bt"])  # counts, a width (core.launch: specializations)
 def _dense_paged_attn_kernel(
     q_ptr,
     k_ptr,

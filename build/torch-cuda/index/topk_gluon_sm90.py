@@ -152,7 +152,7 @@ if HAVE_GLUON:
         b_max = gl.convert_layout(gl.max(b_s, axis=1), krow_layout)  # [BM]
         return _insert(vals, ids, b_max, c)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["stride_bt", "batch"])  # a width, a count (core.launch: specializations)
     def _index_topk_tma_kernel(
         q_ptr, k_desc, ks_desc, bt_ptr, cu_ptr, kvlen_ptr, out_ptr,
         stride_bt, batch,

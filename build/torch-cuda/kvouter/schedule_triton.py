@@ -28,7 +28,7 @@ from .schedule import Schedule, max_tiles_for
 EMIT_TILES = 128  # tiles written per step of a segment's loop / per tail program
 
 
-@triton.jit(do_not_specialize=["max_tiles"])  # a length (core.launch: specializations)
+@triton.jit(do_not_specialize=["num_segments", "max_tiles", "num_programs"])  # counts (core.launch: specializations)
 def _emit_tiles_kernel(
     seg_off_ptr,
     tile_base_ptr,

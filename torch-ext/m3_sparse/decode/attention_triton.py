@@ -65,7 +65,7 @@ from .plan import DEFAULT_CONFIG, DecodeConfig, plan, shape_reason
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])  # counts (core.launch: specializations)
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "stride_bt"])  # counts, a width (core.launch: specializations)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ..core.args import IndexArgs
 from ..core.interpreter import dot, to_e4m3
-from ..core.launch import SEQ_VECTOR_MIN, StreamBuffers, interpreting, launch_kernel, next_pow2
+from ..core.launch import StreamBuffers, interpreting, launch_kernel, next_pow2, seq_block
 from .plan import DEFAULT_CONFIG, KEY_MAJOR_STAGES, IndexConfig, IndexPlan, metadata
 
 @triton.jit
@@ -217,7 +217,7 @@ def _write_selection(
     tl.store(p_o + offs_t[None, :], tl.full([1, TOPK_P2], -1, tl.int32), mask=row_ok[:, None] & pad)
 
 
-@triton.jit(do_not_specialize=["batch", "num_splits"])  # counts (core.launch: specializations)
+@triton.jit(do_not_specialize=["stride_bt", "batch", "num_splits"])  # a width, counts (core.launch: specializations)
 def _index_topk_kernel(
     q_ptr,
     k_ptr,
@@ -412,7 +412,7 @@ class TopkLaunch:
         # with a 2-deep key pipeline beat 8 warps / 3 stages in prefill.
         num_warps = cfg.num_warps or 4
         num_stages = cfg.num_stages or (2 if p.bm >= 128 else KEY_MAJOR_STAGES if p.key_major and args.fp8_dot else 3)
-        batch_p2 = max(SEQ_VECTOR_MIN, next_pow2(batch + 1))  # core.launch: specializations
+        batch_p2 = seq_block(batch + 1)  # core.launch: specializations
         # The interpreter takes no register cap.
         extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
         page = args.index_k_cache.shape[1]

@@ -157,7 +157,8 @@ if HAVE_GLUON:
         fence_async_shared()
         _sync_threads()
 
-    @gluon.jit
+    # The same lengths and counts as the tl kernel's (core.launch: specializations).
+    @gluon.jit(do_not_specialize=["stride_bt", "num_segments", "nbg", "max_blocks", "capacity_rows", "num_programs"])
     def _kvouter_partials_tma_kernel(
         q_desc, k_desc, v_desc, o_desc, o1_desc,
         po_ptr, pm_ptr, pl_ptr,

@@ -137,7 +137,9 @@ def _attend_rows(
     tl.store(pl_ptr + o_row, b_l, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["capacity_rows"])  # a length (core.launch: specializations)
+# Lengths and counts (core.launch: specializations): a serving step's table width follows its
+# longest request, and its segment counts its rows.
+@triton.jit(do_not_specialize=["stride_bt", "num_segments", "nbg", "max_blocks", "capacity_rows", "num_programs"])
 def _kvouter_partials_kernel(
     q_ptr,
     k_ptr,
