@@ -453,23 +453,21 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),
                                                                       "args": vars(args), "rows": rows})
-            except (subprocess.CalledProcessError, RuntimeError) as e:
+            except (subprocess.CalledProcessError, RuntimeError, Interrupted) as e:
                 # The other configurations still run: a server that dies under load is a finding
-                # of the benchmark, and its twin's figures stay worth having.
-                why = failure(e, server, server_log, out / f"{stem}.log")
+                # of the benchmark, and its twin's figures stay worth having. An interruption
+                # ends them all.
+                interrupted = isinstance(e, Interrupted)
+                why = f"interrupted by {e}" if interrupted else failure(e, server, server_log, out / f"{stem}.log")
                 failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
                                  "why": why})
                 log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed: {why}")
-            except Interrupted as e:
-                failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
-                                 "why": f"interrupted by {e}"})
-                log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run was interrupted "
-                    f"by {e}; stopping its server")
-                if server is not None:
-                    # A time limit's SIGKILL follows its SIGTERM soon: no graceful minute.
-                    server.stop(grace_s=2.0)
-                    server = None
-                raise
+                if interrupted:
+                    if server is not None:
+                        # A time limit's SIGKILL follows its SIGTERM soon: no graceful minute.
+                        server.stop(grace_s=2.0)
+                        server = None
+                    raise
             finally:
                 if server is not None:
                     server.stop()
