@@ -14,6 +14,18 @@ M3-shaped model and its dense twin, with the toy tokenizer) are served one at a 
   ``--seconds``;
 * a closed loop of ``--concurrency`` users (``concurrent``).
 
+``--runs`` picks other runs, in the order given: ``sync`` (one request at a time),
+``throughput`` (as fast as the server takes them), ``rates`` (one constant-rate run per
+``--rates`` value) besides ``sweep`` and ``concurrent``. A rate is requests/s, or ``0.5x``:
+that share of the highest requests/s the configuration has reached so far (its throughput
+run, in this call or in the rows appended to). ``--append`` adds this call's rows to those of
+OUT/bench_server.json (same prompts, new tokens and goodput bounds), so a configuration's full
+length can be measured over several calls, each under a time limit::
+
+    bench_server.py --configs m3_sparse --runs sync,throughput
+    bench_server.py --configs m3_sparse --runs rates --rates 0.25x,0.5x,0.75x --append
+    bench_server.py --configs m3_sparse --runs concurrent --append
+
 ``--max-batch-tokens`` (the servers' ``--cb-max-batch-tokens``, the query tokens of one step)
 takes a list: each value gets its own servers and runs, so one call shows what the step size
 does to ITL p99 when prefill chunks share steps with decodes. Without it the servers keep
@@ -74,6 +86,14 @@ def parse_args(argv=None):
     p.add_argument("--configs", default="m3_sparse,dense", help=f"from {list(CONFIGS)}")
     p.add_argument("--prompt-lens", default=None, help="MIN-MAX prompt tokens, k = 1024 (default 2k-32k; --quick 20-150)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; --quick 8)")
+    p.add_argument("--runs", default="sweep,concurrent",
+                   help=f"runs after the warm-ups, in order, from {list(RUN_KINDS)} (default sweep,concurrent)")
+    p.add_argument("--rates", default=None,
+                   help="constant request rates of the 'rates' runs: requests/s, or Fx for F times the highest "
+                        "requests/s of the configuration's rows so far (0.5x)")
+    p.add_argument("--append", action="store_true",
+                   help="add the rows to those of OUT/bench_server.json (runs of the same prompts, new tokens and "
+                        "bounds) and report them all")
     p.add_argument("--sweep-size", type=int, default=None, help="guidellm sweep runs (default 8; --quick 3)")
     p.add_argument("--concurrency", type=int, default=None, help="closed-loop users (default 64; --quick 4)")
     p.add_argument("--seconds", type=float, default=None, help="length of each run (default 60; --quick 8)")
@@ -112,6 +132,16 @@ def parse_args(argv=None):
         p.error(f"--max-batch-tokens: expected positive token counts (k = 1024), got {args.max_batch_tokens!r}")
     args.max_batch_tokens = steps or [None]
     args.warmup_seconds = (1.0 if q else 30.0) if args.warmup_seconds is None else args.warmup_seconds
+    args.runs = common_list(args.runs)
+    bad = [r for r in args.runs if r not in RUN_KINDS]
+    if bad or not args.runs:
+        p.error(f"--runs: expected names from {list(RUN_KINDS)}, got {bad or args.runs}")
+    try:
+        args.rates = [parse_rate(x) for x in common_list(args.rates or "")]
+    except ValueError as e:
+        p.error(f"--rates: {e}")
+    if ("rates" in args.runs) != bool(args.rates):
+        p.error("--rates: give rates with 'rates' in --runs, and only then")
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
     if not Path(exe).exists() and shutil.which("guidellm") is None:
         p.error("guidellm is not installed (pip install guidellm; offline: carry its wheels)")
@@ -121,6 +151,60 @@ def parse_args(argv=None):
 
 def common_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# The requests in flight at most in guidellm's sweep's throughput and constant-rate runs (its
+# sweep profile's default); the runs of --runs throughput and rates take the same, so that
+# they are the sweep's runs made one by one.
+SWEEP_CONCURRENCY = 512
+# --runs: each kind's guidellm profile (rates: one constant-rate run per --rates value).
+RUN_KINDS = {"sweep": None, "sync": "kind=synchronous",
+             "throughput": f"kind=throughput,max_concurrency={SWEEP_CONCURRENCY}", "rates": None, "concurrent": None}
+
+
+def parse_rate(text: str) -> tuple[float, bool]:
+    """'0.8' -> (0.8, False): requests/s; '0.5x' -> (0.5, True): a share of the highest
+    requests/s reached so far."""
+    share = text.lower().endswith("x")
+    try:
+        value = float(text[:-1] if share else text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"expected positive requests/s or shares such as 0.5x, got {text!r}")
+    return value, share
+
+
+def resolve_rate(rate: tuple[float, bool], rows: list[dict], layers: str, config: str, steps: int | None) -> float:
+    """Requests/s of a --rates value for one configuration: a share of the highest requests/s
+    of its rows so far (same pattern and step size)."""
+    value, share = rate
+    if not share:
+        return value
+    best = max((r["requests_s"] or 0 for r in rows if (r["layers"], r["config"], r.get("max_batch_tokens"))
+                == (layers, config, steps)), default=0)
+    if not best:
+        raise RuntimeError(f"rate {value:g}x: {config} {layers} has no run with finished requests to take a share "
+                           "of (run 'throughput' first, in this call or in the rows appended to)")
+    return round(value * best, 3)
+
+
+# What rows appended to must share with this call's (--append).
+SAME_FOR_APPEND = ("prompt_min", "prompt_max", "new_tokens", "ttft_slo", "itl_slo", "quick")
+
+
+def earlier_results(args, path: Path) -> tuple[list[dict], list[dict]]:
+    """(rows, failures) of ``path`` for --append: nothing when it does not exist; an error when
+    its runs had other prompts, new tokens or bounds than this call's."""
+    if not path.is_file():
+        return [], []
+    data = json.loads(path.read_text())
+    theirs = data.get("args") or {}
+    differ = [k for k in SAME_FOR_APPEND if theirs.get(k) != getattr(args, k)]
+    if differ:
+        raise ValueError(f"{path} holds runs with other "
+                         + ", ".join(f"{k} ({theirs.get(k)!r}, here {getattr(args, k)!r})" for k in differ))
+    return list(data.get("rows") or []), list(data.get("failures") or [])
 
 
 def free_port() -> int:
@@ -279,7 +363,8 @@ def pct(metric: dict, name: str) -> float | None:
     return (ok.get("percentiles") or {}).get(name) if ok.get("count") else None
 
 
-def rows_of(report: dict, args, layers: str, config: str, max_batch_tokens: int | None = None) -> list[dict]:
+def rows_of(report: dict, args, layers: str, config: str, max_batch_tokens: int | None = None,
+            seconds: float | None = None) -> list[dict]:
     rows = []
     for b in report["benchmarks"]:
         m, strategy = b["metrics"], b["config"]["strategy"]
@@ -288,7 +373,7 @@ def rows_of(report: dict, args, layers: str, config: str, max_batch_tokens: int 
                 and (r.get("inter_token_latency_ms") or 0.0) <= args.itl_slo]
         duration = b.get("duration") or 0.0
         rows.append({
-            "layers": layers, "config": config, "max_batch_tokens": max_batch_tokens,
+            "layers": layers, "config": config, "max_batch_tokens": max_batch_tokens, "seconds": seconds,
             "strategy": strategy.get("type_"), "rate": strategy.get("rate") or strategy.get("streams"),
             "requests": len(ok), "errored": len(b["requests"]["errored"]),
             "output_tok_s": (m["output_tokens_per_second"]["successful"] or {}).get("mean"),
@@ -353,7 +438,9 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
               common.fmt(r["itl_p99_ms"]), common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])]
              for r in rows]  # fmt: skip
     log(common.md_table(header, table))
-    found = [t for t in (targets(rows, layers, n) for layers in args.layers for n in args.max_batch_tokens) if t]
+    # Every pattern and step size the rows hold: with --append, earlier calls' too.
+    kinds = sorted({(r["layers"], r.get("max_batch_tokens")) for r in rows}, key=lambda k: (k[0], k[1] or 0))
+    found = [t for t in (targets(rows, layers, n) for layers, n in kinds) if t]
     if found:
         log("Targets (m3_sparse against the dense twin; see targets() for how each is taken):")
         log(common.md_table(
@@ -384,7 +471,7 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
     for key in sorted({series(r) for r in rows}):
         layers, config, steps = key
         mine = sorted((r for r in rows if series(r) == key and r["output_tok_s"]), key=lambda r: r["output_tok_s"])
-        label = f"{config} {layers}" + ("" if len(args.max_batch_tokens) == 1 else f" {steps}")
+        label = f"{config} {layers}" + ("" if len({r.get("max_batch_tokens") for r in rows}) == 1 else f" {steps}")
         x = [r["output_tok_s"] for r in mine]
         for ax, metric in zip(axes, ("ttft", "itl")):
             for q, style in (("p50", "-o"), ("p99", "--x")):
@@ -401,17 +488,22 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = common.Log(echo=print)
+    try:
+        rows, failures = earlier_results(args, out / "bench_server.json") if args.append else ([], [])
+    except ValueError as e:
+        print(f"bench_server: --append: {e}", file=sys.stderr)
+        return 2
     log(*common.header("m3-serve under load (guidellm)"))
-    log(f"- prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new tokens; sweep of {args.sweep_size} "
-        f"runs and {args.concurrency} closed-loop users, {args.seconds:g} s each; goodput: TTFT <= {args.ttft_slo:g} ms "
-        f"and mean ITL <= {args.itl_slo:g} ms; max batch tokens "
-        f"{', '.join(step_tokens(n) for n in args.max_batch_tokens)}")
+    log(f"- prompts {args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new tokens; runs "
+        f"{', '.join(describe_run(args, r) for r in args.runs)}, {args.seconds:g} s each; goodput: TTFT <= "
+        f"{args.ttft_slo:g} ms and mean ITL <= {args.itl_slo:g} ms; max batch tokens "
+        f"{', '.join(step_tokens(n) for n in args.max_batch_tokens)}"
+        + (f"; after {len(rows)} rows of earlier calls" if args.append else ""))
     # The servers and guidellm runs sit in sessions of their own, so that a kill of their process
     # group reaches their workers; the same makes them outlive this process. A time limit's
     # SIGTERM (or Ctrl-C) therefore ends the runs here: each child is stopped, and the rows so
     # far are written with the interruption listed under "Failed".
     previous = {signum: signal.signal(signum, raise_interrupted) for signum in (signal.SIGTERM, signal.SIGINT)}
-    rows, failures = [], []
     try:
         run_all(args, out, log, rows, failures)
         code = 1 if failures else 0
@@ -422,6 +514,32 @@ def main(argv=None) -> int:
             signal.signal(signum, handler)
     write_outputs(args, rows, log, failures)
     return code
+
+
+def timed_runs(args) -> list[tuple]:
+    """(guidellm profile, file tag) of each --runs entry, in order; a --rates value stands in
+    for its profile until the configuration's rows so far give its requests/s."""
+    runs = []
+    for kind in args.runs:
+        if kind == "sweep":
+            runs.append((f"kind=sweep,sweep_size={args.sweep_size}", "sweep"))
+        elif kind == "concurrent":
+            runs.append((f"kind=concurrent,streams={args.concurrency}", "concurrent"))
+        elif kind == "rates":
+            runs += [(rate, "rate") for rate in args.rates]
+        else:
+            runs.append((RUN_KINDS[kind], kind))
+    return runs
+
+
+def describe_run(args, kind: str) -> str:
+    if kind == "sweep":
+        return f"sweep of {args.sweep_size}"
+    if kind == "concurrent":
+        return f"{args.concurrency} closed-loop users"
+    if kind == "rates":
+        return "rates " + "/".join(f"{v:g}{'x' if share else ''}" for v, share in args.rates)
+    return kind
 
 
 def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[dict]) -> None:
@@ -439,20 +557,25 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
             closed = f"kind=concurrent,streams={args.concurrency}"
             warmups = [("kind=synchronous", "warmup-sync"), (closed, "warmup")]
             runs = [(profile, tag, args.warmup_seconds) for profile, tag in warmups] if args.warmup_seconds > 0 else []
-            runs += [(f"kind=sweep,sweep_size={args.sweep_size}", "sweep", args.seconds),
-                     (closed, "concurrent", args.seconds)]
+            runs += [(profile, tag, args.seconds) for profile, tag in timed_runs(args)]
             server, server_log, tag, stem = None, out / f"server-{config}-{layers}{suffix}.log", "start", ""
             try:
                 server = ServerProcess(checkpoint, extra, args, server_log)
                 for profile, tag, seconds in runs:
+                    if not isinstance(profile, str):  # a --rates value, resolved from the rows so far
+                        tag = "rates"
+                        rate = resolve_rate(profile, rows, layers, config, steps)
+                        profile = f"kind=constant,rate={rate:g},max_concurrency={SWEEP_CONCURRENCY}"
+                        tag = f"rate{rate:g}"
                     stem = f"guidellm-{config}-{layers}{suffix}-{tag}"
                     report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
                                           out / f"{stem}.log", seconds)
                     if not tag.startswith("warmup"):
-                        rows += rows_of(report, args, layers, config, steps)
+                        rows += rows_of(report, args, layers, config, steps, seconds)
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),
-                                                                      "args": vars(args), "rows": rows})
+                                                                      "args": vars(args), "rows": rows,
+                                                                      "failures": failures})
             except (subprocess.CalledProcessError, RuntimeError, Interrupted) as e:
                 # The other configurations still run: a server that dies under load is a finding
                 # of the benchmark, and its twin's figures stay worth having. An interruption

@@ -298,3 +298,130 @@ sys.exit(bench_server.main(["--quick", "--out", {str(tmp_path)!r}, "--guidellm",
     assert failed == {"layers": "sf", "config": "m3_sparse", "max_batch_tokens": None, "run": "sweep",
                       "why": "interrupted by SIGTERM"}
     assert "| sf | m3_sparse | default | sweep | interrupted by SIGTERM |" in (tmp_path / "bench_server.md").read_text()
+
+
+def _reporting_guidellm(tmp_path: Path) -> Path:
+    """A guidellm that answers each run with one benchmark of its profile's strategy, finishing
+    requests at a rate of its own (synchronous 0.5/s, throughput 2/s, a constant rate at that
+    rate, the closed loop 1.5/s), and lists every profile it was given in ``profiles.txt``."""
+    fake = tmp_path / "guidellm"
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+argv = sys.argv
+out = next(a.split("path=")[1] for a in argv if a.startswith("kind=json,path="))
+profile = argv[argv.index("--profile") + 1]
+with open({str(tmp_path / "profiles.txt")!r}, "a") as f:
+    f.write(profile + "\\n")
+fields = dict(x.split("=", 1) for x in profile.split(","))
+kind = fields["kind"]
+req_s = {{"synchronous": 0.5, "throughput": 2.0, "concurrent": 1.5}}.get(kind) or float(fields["rate"])
+strategy = {{"type_": kind}}
+if kind == "constant":
+    strategy["rate"] = req_s
+if kind == "concurrent":
+    strategy["streams"] = int(fields["streams"])
+def metric(v):
+    return {{"successful": {{"count": 4, "mean": v, "percentiles": {{"p50": v, "p99": 3 * v}}}}}}
+ok = [{{"time_to_first_token_ms": 100.0, "inter_token_latency_ms": 5.0}}] * 4
+bench = {{"config": {{"strategy": strategy}}, "duration": 4 / req_s,
+         "requests": {{"successful": ok, "errored": []}},
+         "metrics": {{"output_tokens_per_second": metric(8 * req_s), "requests_per_second": metric(req_s),
+                     "time_to_first_token_ms": metric(100.0), "inter_token_latency_ms": metric(5.0)}}}}
+pathlib.Path(out).write_text(json.dumps({{"benchmarks": [bench]}}))
+""")
+    fake.chmod(0o755)
+    return fake
+
+
+class _IdleServer:
+    def __init__(self, checkpoint, extra, args, log):
+        log.write_text("INFO: started\n")
+        self.port, self.proc = 1, argparse.Namespace(poll=lambda: None, returncode=None, wait=lambda s: None)
+
+    def stop(self):
+        pass
+
+
+def test_runs_over_several_calls_append_and_take_rates_as_shares(tmp_path, monkeypatch):
+    """A configuration measured over three calls, as a time limit per call asks: the ends of the
+    sweep, then constant rates given as shares of the throughput run's requests/s (from the
+    first call's rows), then the closed loop. Each call adds its rows to the JSON and reports
+    them all, targets included."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    _serve_with(monkeypatch, bench_server, _IdleServer)
+    fake = _reporting_guidellm(tmp_path)
+    base = ["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "1", "--warmup-seconds", "0"]
+    assert bench_server.main([*base, "--runs", "sync,throughput"]) == 0
+    assert bench_server.main([*base, "--runs", "rates", "--rates", "0.25x,0.5x,0.9", "--append"]) == 0
+    assert bench_server.main([*base, "--runs", "concurrent", "--configs", "m3_sparse", "--append"]) == 0
+    profiles = (tmp_path / "profiles.txt").read_text().split()
+    # Per call, m3_sparse's runs then the dense twin's; each share of 2 requests/s, the throughput run's.
+    assert profiles == (["kind=synchronous", "kind=throughput,max_concurrency=512"] * 2
+                        + [f"kind=constant,rate={r},max_concurrency=512" for r in ("0.5", "1", "0.9")] * 2
+                        + ["kind=concurrent,streams=4"])
+    result = json.loads((tmp_path / "bench_server.json").read_text())
+    rows = result["rows"]
+    assert [(r["config"], r["strategy"], r["rate"]) for r in rows] == [
+        ("m3_sparse", "synchronous", None), ("m3_sparse", "throughput", None),
+        ("dense", "synchronous", None), ("dense", "throughput", None),
+        ("m3_sparse", "constant", 0.5), ("m3_sparse", "constant", 1.0), ("m3_sparse", "constant", 0.9),
+        ("dense", "constant", 0.5), ("dense", "constant", 1.0), ("dense", "constant", 0.9),
+        ("m3_sparse", "concurrent", 4),
+    ]
+    assert all(r["seconds"] == 1.0 for r in rows)
+    assert (tmp_path / "guidellm-m3_sparse-sf-rate0.5.json").is_file()
+    (t,) = result["targets"]
+    # Half of m3_sparse's 2 requests/s is the constant run at 1/s; the twin's highest good rate too.
+    assert t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
+    assert t["dense_rate_req_s"] == 2.0 and t["tok_s_ratio"] == 1.0
+    assert "| sf | m3_sparse | synchronous |" in (tmp_path / "bench_server.md").read_text()
+
+
+def test_a_share_without_earlier_runs_fails_its_configuration(tmp_path, monkeypatch):
+    """``--rates 0.5x`` with nothing to take a share of: the configuration fails with why, and
+    no run is made at a made-up rate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    _serve_with(monkeypatch, bench_server, _IdleServer)
+    fake = _reporting_guidellm(tmp_path)
+    code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "1",
+                              "--warmup-seconds", "0", "--configs", "m3_sparse", "--runs", "rates", "--rates", "0.5x"])
+    assert code == 1 and not (tmp_path / "profiles.txt").exists()
+    (failed,) = json.loads((tmp_path / "bench_server.json").read_text())["failures"]
+    assert failed["run"] == "rates" and "m3_sparse sf has no run with finished requests" in failed["why"]
+
+
+def test_append_refuses_rows_of_other_runs(tmp_path, monkeypatch, capsys):
+    """Rows of other prompts, new tokens or bounds are not mixed into one report."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    _serve_with(monkeypatch, bench_server, _IdleServer)
+    fake = _reporting_guidellm(tmp_path)
+    base = ["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "1", "--warmup-seconds", "0",
+            "--configs", "m3_sparse", "--runs", "sync"]
+    assert bench_server.main(base) == 0
+    before = (tmp_path / "bench_server.json").read_text()
+    assert bench_server.main([*base, "--new-tokens", "16", "--append"]) == 2
+    assert "holds runs with other new_tokens (8, here 16)" in capsys.readouterr().err
+    assert (tmp_path / "bench_server.json").read_text() == before
+
+
+@pytest.mark.parametrize("given, why", [
+    (["--runs", "sweep,bogus"], "--runs: expected names from"),
+    (["--runs", "rates"], "--rates: give rates with 'rates' in --runs, and only then"),
+    (["--rates", "0.5x"], "--rates: give rates with 'rates' in --runs, and only then"),
+    (["--runs", "rates", "--rates", "0.5x,-1"],
+     "--rates: expected positive requests/s or shares such as 0.5x, got '-1'"),
+    (["--runs", "rates", "--rates", "fast"], "got 'fast'"),
+])
+def test_runs_and_rates_are_checked(given, why, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    with pytest.raises(SystemExit) as e:
+        bench_server.parse_args(["--quick", "--guidellm", sys.executable, *given])
+    assert e.value.code == 2 and why in capsys.readouterr().err
