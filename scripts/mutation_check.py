@@ -330,6 +330,22 @@ MUTATIONS = (
         what="a decode step over block tables of another width compiles the decode kernel again",
     ),  # fmt: skip
     Mutation(
+        name="split_merge_specializes_its_split_count", path="core/split_merge.py",
+        old='@triton.jit(do_not_specialize=["num_tokens", "num_splits"])',
+        new='@triton.jit(do_not_specialize=["num_tokens"])',
+        tests=(K + "test_gpu_compile.py::test_lengths_share_their_compiles",),
+        what="a decode step whose history selects another split count compiles the split merge again",
+    ),  # fmt: skip
+    Mutation(
+        name="split_merge_drops_its_last_split", path="core/split_merge.py",
+        old="        b_ls = tl.load(l_ws_ptr + rows, mask=ok, other=0.0)",
+        new="        ok = ok & ((s0 + offs_s) < num_splits - 1)[:, None]\n"
+            "        b_ls = tl.load(l_ws_ptr + rows, mask=ok, other=0.0)",
+        tests=(K + "test_triton_decode.py::test_merge_splits_against_float64",
+               K + "test_triton_decode.py::test_merge_in_place_equals_merge_kernel"),
+        what="the split merge leaves out each row's last split",
+    ),  # fmt: skip
+    Mutation(
         name="tma_partials_refuse_a_transposed_q", path="kvouter/partials_gluon_sm90.py",
         old="    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):",
         new="    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):",

@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cuda_6e8a1dc39d"
+NAMESPACE = "_m3_sparse_cuda_8281adaeae"
 
 ops = getattr(torch.ops, NAMESPACE)
 

@@ -359,6 +359,9 @@ def calls() -> dict[str, Call]:
         # (The same width: a narrower table bounds the history, and the dense decode plan takes
         # fewer key splits for it.)
         "dense decode, another batch": Call(lambda: attention(dense, Batch(20, 1), sparse=False)),
+        # one sequence over 4K and 32K of history: 8 and 64 key splits
+        "dense decode, one sequence over 4K": Call(lambda: attention(dense, Batch(1, 1, w=64), sparse=False)),
+        "dense decode, one sequence over 32K": Call(lambda: attention(dense, Batch(1, 1, w=512), sparse=False)),
         "dense decode, pages of 128": Call(lambda: attention(dense, Batch(4, 1, p=128, w=32), sparse=False)),
         "dense prefill, D = 256": Call(lambda: attention(dense, prefill, d=256, sparse=False)),
         "dense, fp16, bidirectional, pages of 16": Call(

@@ -106,7 +106,8 @@ def test_each_gpu_gets_the_kernels_it_has(recorded, arch):
 
 # Calls that must share every compile: a model's prefill and its decode steps (index prep),
 # prompts of two lengths (one a multiple of 16, one not) over block tables of two widths (the
-# same), KV-outer over two and three prompts, and decode steps of two batch sizes (and widths).
+# same), KV-outer over two and three prompts, decode steps of two batch sizes (and widths), and
+# a decode step's key splits, which grow with the history (their merge takes the count at run time).
 SAME_COMPILES = [
     ("index prep, bf16, keys into the pool", "index prep, bf16, a decode step's keys into the pool"),
     ("index top-k prefill (key splits and their merge)", "index top-k prefill, a prompt of another length"),
@@ -118,6 +119,7 @@ SAME_COMPILES = [
     ("sparse decode (key splits, merged in place)", "sparse decode, another batch"),
     ("index top-k decode (key splits and their merge)", "index top-k decode, another batch"),
     ("dense decode (key splits and their merge)", "dense decode, another batch"),
+    ("dense decode, one sequence over 4K", "dense decode, one sequence over 32K"),
 ]
 
 

@@ -12,6 +12,7 @@ it runs natively, plus M3-sized shapes and a CUDA-graph capture.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -216,6 +217,49 @@ def test_kept_arrival_counts_are_left_zero():
     fewer = _run_triton(batch, q, k, v, sel, 32, num_splits=2, arrival_counts=counts)
     _check("triton, kept counts", _oracle(batch, q, k, v, sel, 32), *fewer, torch.bfloat16)
     assert torch.count_nonzero(counts).item() == 0
+
+
+def _merge_oracle(o_ws, m_ws, l_ws, num_tokens, hq, group, num_splits):
+    """The split merge in float64: out = sum 2^(m_s - M) o_s / sum 2^(m_s - M) l_s over the
+    splits of each row, lse = (M + log2 of that sum) ln 2; a row no split saw is 0 with lse -inf."""
+    hkv = hq // group
+    o = o_ws.double().view(num_tokens, hkv, num_splits, group, -1)
+    m = m_ws.double().view(num_tokens, hkv, num_splits, group)
+    l_ = l_ws.double().view(num_tokens, hkv, num_splits, group)
+    mx = m.amax(dim=2, keepdim=True)
+    safe = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+    a = torch.exp2(m - safe)
+    den = (a * l_).sum(dim=2)
+    num = (a[..., None] * o).sum(dim=2)
+    empty = mx.squeeze(2) == float("-inf")
+    out = torch.where(empty[..., None], torch.zeros_like(num), num / torch.where(empty, 1.0, den)[..., None])
+    lse = torch.where(empty, float("-inf"), (mx.squeeze(2) + torch.log2(torch.where(empty, 1.0, den))) * math.log(2))
+    return out.reshape(num_tokens, hq, -1), lse.reshape(num_tokens, hq).t()
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 8, 13, 64])
+def test_merge_splits_against_float64(num_splits):
+    """``core.split_merge.merge_splits`` over split counts below, at and past a step of its
+    loop, a ragged head dim and rows padded to the program's rows: splits that saw no key
+    (m -inf) drop out, a row none of its splits saw comes out 0 with lse -inf."""
+    from m3_sparse.core.split_merge import merge_splits
+
+    torch.manual_seed(num_splits)
+    num_tokens, hq, group, d = 3, 12, 4, 40
+    rows = num_tokens * (hq // group) * num_splits * group
+    o_ws = torch.randn(rows, d, device=DEVICE)
+    m_ws = torch.randn(rows, device=DEVICE) * 4
+    l_ws = torch.rand(rows, device=DEVICE) + 0.5
+    m_ws[torch.rand(rows, device=DEVICE) < 0.3] = float("-inf")  # splits that saw no key
+    view = m_ws.view(num_tokens, hq // group, num_splits, group)
+    view[1, 2, :, 3] = float("-inf")  # token 1, head 11: no split saw a key
+    out = torch.full((num_tokens, hq, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.full((hq, num_tokens), float("nan"), device=DEVICE)
+    merge_splits(o_ws, m_ws, l_ws, out, lse, num_splits, group)
+    want_out, want_lse = _merge_oracle(o_ws, m_ws, l_ws, num_tokens, hq, group, num_splits)
+    assert_close("merged out", want_out.float(), out.float(), TOLERANCES[torch.bfloat16])
+    assert lse[11, 1] == float("-inf") and torch.all(out[1, 11] == 0)
+    assert_close("merged lse", want_lse.float(), lse, 1e-5)
 
 
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["merge_in_place", "merge_kernel"])
@@ -493,7 +537,7 @@ cases = {
     "fp8-kv": lambda: split_case("bf16", 4, kv_dtype="fp8e4nv", KV_FP8=True, WIDEN_K=True),
     "fp8-qkv-final": lambda: split_case("fp8e4nv", 4, kv_dtype="fp8e4nv", Q_FP8=True, KV_FP8=True, FINAL=True),
     "combine": lambda: build(
-        split_merge._merge_splits_kernel, dict(S=8, G=16, RB=8, D=128, BD=128, RETURN_LSE=True),
+        split_merge._merge_splits_kernel, dict(SC=32, G=16, RB=2, D=128, BD=128, RETURN_LSE=True),
         {"o_ws_ptr": "*fp32", "m_ws_ptr": "*fp32", "l_ws_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}, 4),
 }
 for name, make in cases.items():
