@@ -157,9 +157,8 @@ def common_list(text: str) -> list[str]:
 # sweep profile's default); the runs of --runs throughput and rates take the same, so that
 # they are the sweep's runs made one by one.
 SWEEP_CONCURRENCY = 512
-# --runs: each kind's guidellm profile (rates: one constant-rate run per --rates value).
-RUN_KINDS = {"sweep": None, "sync": "kind=synchronous",
-             "throughput": f"kind=throughput,max_concurrency={SWEEP_CONCURRENCY}", "rates": None, "concurrent": None}
+# What --runs takes (rates: one constant-rate run per --rates value).
+RUN_KINDS = ("sync", "throughput", "rates", "sweep", "concurrent")
 
 
 def parse_rate(text: str) -> tuple[float, bool]:
@@ -519,17 +518,16 @@ def main(argv=None) -> int:
 def timed_runs(args) -> list[tuple]:
     """(guidellm profile, file tag) of each --runs entry, in order; a --rates value stands in
     for its profile until the configuration's rows so far give its requests/s."""
+    profiles = {"sync": "kind=synchronous", "throughput": f"kind=throughput,max_concurrency={SWEEP_CONCURRENCY}",
+                "sweep": f"kind=sweep,sweep_size={args.sweep_size}", "concurrent": closed_loop(args)}
     runs = []
     for kind in args.runs:
-        if kind == "sweep":
-            runs.append((f"kind=sweep,sweep_size={args.sweep_size}", "sweep"))
-        elif kind == "concurrent":
-            runs.append((f"kind=concurrent,streams={args.concurrency}", "concurrent"))
-        elif kind == "rates":
-            runs += [(rate, "rate") for rate in args.rates]
-        else:
-            runs.append((RUN_KINDS[kind], kind))
+        runs += [(rate, "rate") for rate in args.rates] if kind == "rates" else [(profiles[kind], kind)]
     return runs
+
+
+def closed_loop(args) -> str:
+    return f"kind=concurrent,streams={args.concurrency}"
 
 
 def describe_run(args, kind: str) -> str:
@@ -554,8 +552,7 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
             suffix = "" if steps is None else f"-mbt{steps}"
             if steps is not None:
                 extra = [*extra, "--cb-max-batch-tokens", str(steps)]
-            closed = f"kind=concurrent,streams={args.concurrency}"
-            warmups = [("kind=synchronous", "warmup-sync"), (closed, "warmup")]
+            warmups = [("kind=synchronous", "warmup-sync"), (closed_loop(args), "warmup")]
             runs = [(profile, tag, args.warmup_seconds) for profile, tag in warmups] if args.warmup_seconds > 0 else []
             runs += [(profile, tag, args.seconds) for profile, tag in timed_runs(args)]
             server, server_log, tag, stem = None, out / f"server-{config}-{layers}{suffix}.log", "start", ""
