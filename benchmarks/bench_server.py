@@ -391,8 +391,8 @@ def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) 
 
     * goodput: m3_sparse's best goodput (requests/s meeting both bounds, any run) over the dense
       twin's at the highest request rate where at least half the twin's requests met them;
-      where no rate of the twin's got half its requests within the bounds, that reference does
-      not exist, and ``goodput_over_best`` compares with the twin's best goodput of any run;
+      ``goodput_over_best``: over the twin's best goodput of any run, the figure left where no
+      rate of the twin's got half its requests within the bounds (no reference rate);
     * tok/s at saturation: the best output tok/s of each configuration (its throughput run);
     * ITL p99 / p50 of m3_sparse at half its saturation: the constant-rate run whose rate is
       nearest half its best requests/s."""
