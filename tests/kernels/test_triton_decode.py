@@ -220,21 +220,17 @@ def test_kept_arrival_counts_are_left_zero():
 
 
 def _merge_oracle(o_ws, m_ws, l_ws, num_tokens, hq, group, num_splits):
-    """The split merge in float64: out = sum 2^(m_s - M) o_s / sum 2^(m_s - M) l_s over the
-    splits of each row, lse = (M + log2 of that sum) ln 2; a row no split saw is 0 with lse -inf."""
-    hkv = hq // group
-    o = o_ws.double().view(num_tokens, hkv, num_splits, group, -1)
-    m = m_ws.double().view(num_tokens, hkv, num_splits, group)
-    l_ = l_ws.double().view(num_tokens, hkv, num_splits, group)
-    mx = m.amax(dim=2, keepdim=True)
-    safe = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
-    a = torch.exp2(m - safe)
-    den = (a * l_).sum(dim=2)
-    num = (a[..., None] * o).sum(dim=2)
-    empty = mx.squeeze(2) == float("-inf")
-    out = torch.where(empty[..., None], torch.zeros_like(num), num / torch.where(empty, 1.0, den)[..., None])
-    lse = torch.where(empty, float("-inf"), (mx.squeeze(2) + torch.log2(torch.where(empty, 1.0, den))) * math.log(2))
-    return out.reshape(num_tokens, hq, -1), lse.reshape(num_tokens, hq).t()
+    """The split merge by KV-outer's torch combine (the same merge, over entries a reverse map
+    names), run in float64: split s of (token t, kv head g) is entry (t * Hkv + g) * S + s, and
+    its m goes from log2 to natural units. A row no split saw is 0 with lse -inf."""
+    from m3_sparse.kvouter.combine import combine_torch
+
+    entries = num_tokens * (hq // group) * num_splits
+    slot_of = torch.arange(entries, device=o_ws.device).view(num_tokens, hq // group, num_splits)
+    return combine_torch(
+        o_ws.double().view(entries, group, -1), m_ws.double().view(entries, group) * math.log(2),
+        l_ws.double().view(entries, group), slot_of, torch.float64, True,
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 5, 8, 13, 64])
