@@ -38,9 +38,16 @@ done long before. The closed loop alone leaves the shapes of a lone request (its
 chunks, a decode step of one row) to the sweep's first run, whose requests then wait seconds
 for their compiles.
 
-Per run: output tok/s, requests/s, TTFT and ITL p50 / p99 (guidellm's, ITL pooled over every
-gap of every request), and goodput: requests/s of those with TTFT <= ``--ttft-slo`` ms and a mean
-ITL <= ``--itl-slo`` ms (from guidellm's per-request figures). Written to OUT: bench_server.json
+Per run: output tok/s, requests/s, TTFT and ITL p50 / p99, and goodput: requests/s of those with
+TTFT <= ``--ttft-slo`` ms and a mean ITL <= ``--itl-slo`` ms, all from guidellm's per-request
+figures. guidellm's ITL of a request is its mean gap (the time from its first to its last token
+over its tokens less one), and its percentiles are over requests, each weighted by its gaps: a
+decode step held up by a prefill chunk only raises the means of the requests it held. So beside
+each run of ``--runs rates``, ``benchmarks/stream_probe.py`` sends requests of its own at
+``--probe-share`` of the run's rate (on top of it), times every streamed event of each, and
+reports the p50 / p99 of the gaps between consecutive events, pooled ("gap ITL"), with the
+tokens an event carried on average (the server sends a token whose bytes are not yet whole
+UTF-8 characters with the next one). Written to OUT: bench_server.json
 (every row, with guidellm's own JSON of each server beside it), bench_server.md and
 bench_server.png (p50 / p99 latency against output tok/s). A configuration whose server stops
 (or whose guidellm fails) is listed with the reason, from the server's log, under "Failed"; the
@@ -75,6 +82,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+import stream_probe  # noqa: E402
 
 CONFIGS = {"m3_sparse": ("m3", []), "dense": ("dense", ["--attn-implementation", "sdpa"])}
 
@@ -102,6 +110,9 @@ def parse_args(argv=None):
                         "loop), dropped (default 30; --quick 1)")
     p.add_argument("--ttft-slo", type=float, default=2000.0, help="goodput bound on TTFT, ms")
     p.add_argument("--itl-slo", type=float, default=50.0, help="goodput bound on a request's mean ITL, ms")
+    p.add_argument("--probe-share", type=float, default=0.2,
+                   help="rate of the per-gap probe's requests beside each run of --runs rates, as a share of its "
+                   "rate, added to it (benchmarks/stream_probe.py; 0: no probe; default 0.2)")
     p.add_argument("--max-batch-tokens", default=None,
                    help="--cb-max-batch-tokens of both servers, k = 1024; a comma-separated list runs each value "
                    "(default: transformers' own)")
@@ -140,6 +151,8 @@ def parse_args(argv=None):
         args.rates = [parse_rate(x) for x in common_list(args.rates or "")]
     except ValueError as e:
         p.error(f"--rates: {e}")
+    if not 0 <= args.probe_share <= 1:
+        p.error(f"--probe-share: expected a share of the run's rate from 0 to 1, got {args.probe_share:g}")
     if ("rates" in args.runs) != bool(args.rates):
         p.error("--rates: give rates with 'rates' in --runs, and only then")
     exe = args.guidellm or str(Path(sys.executable).with_name("guidellm"))
@@ -157,6 +170,7 @@ def common_list(text: str) -> list[str]:
 # sweep profile's default); the runs of --runs throughput and rates take the same, so that
 # they are the sweep's runs made one by one.
 SWEEP_CONCURRENCY = 512
+PROBE_PROMPTS = 64  # distinct prompts of the per-gap probe, sent in turn
 # What --runs takes (rates: one constant-rate run per --rates value).
 RUN_KINDS = ("sync", "throughput", "rates", "sweep", "concurrent")
 
@@ -395,7 +409,8 @@ def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) 
       rate of the twin's got half its requests within the bounds (no reference rate);
     * tok/s at saturation: the best output tok/s of each configuration (its throughput run);
     * ITL p99 / p50 of m3_sparse at half its saturation: the constant-rate run whose rate is
-      nearest half its best requests/s."""
+      nearest half its best requests/s; of guidellm's per-request mean ITL, and of the probe's
+      gaps (``m3_gap_itl_p99_over_p50``, None without the probe)."""
     mine = {c: [r for r in rows if r["layers"] == layers and r["config"] == c and r["requests"]
                 and r.get("max_batch_tokens") == max_batch_tokens] for c in ("m3_sparse", "dense")}
     if not mine["m3_sparse"] or not mine["dense"]:
@@ -424,6 +439,7 @@ def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) 
         "tok_s_ratio": ratio(sat["m3_sparse"]["output_tok_s"], sat["dense"]["output_tok_s"]),
         "m3_half_rate": at_half and at_half["rate"],
         "m3_itl_p99_over_p50": at_half and ratio(at_half["itl_p99_ms"], at_half["itl_p50_ms"]),
+        "m3_gap_itl_p99_over_p50": at_half and ratio(at_half.get("gap_itl_p99_ms"), at_half.get("gap_itl_p50_ms")),
     }  # fmt: skip
 
 
@@ -435,13 +451,24 @@ def step_tokens(max_batch_tokens: int | None) -> str:
 def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] = ()) -> None:
     out = Path(args.out)
     header = ["layers", "config", "strategy", "max batch tokens", "rate", "requests", "errored", "output tok/s",
-              "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput share"]
+              "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "gap ITL p50 ms", "gap ITL p99 ms",
+              "goodput req/s", "goodput share"]
     table = [[r["layers"], r["config"], r["strategy"], step_tokens(r.get("max_batch_tokens")), common.fmt(r["rate"]),
               r["requests"], r["errored"], common.fmt(r["output_tok_s"], 1), common.fmt(r["requests_s"]),
               common.fmt(r["ttft_p50_ms"], 1), common.fmt(r["ttft_p99_ms"], 1), common.fmt(r["itl_p50_ms"]),
-              common.fmt(r["itl_p99_ms"]), common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])]
+              common.fmt(r["itl_p99_ms"]), common.fmt(r.get("gap_itl_p50_ms")), common.fmt(r.get("gap_itl_p99_ms")),
+              common.fmt(r["goodput_requests_s"]), common.fmt(r["goodput_share"])]
              for r in rows]  # fmt: skip
     log(common.md_table(header, table))
+    probed = [r for r in rows if "probe_requests" in r]
+    if probed:
+        log("Per-gap probe (benchmarks/stream_probe.py) beside the runs of --runs rates:")
+        log(common.md_table(
+            ["layers", "config", "max batch tokens", "rate", "probe req/s", "requests", "failed", "gaps",
+             "tokens per event", "first failure"],
+            [[r["layers"], r["config"], step_tokens(r.get("max_batch_tokens")), common.fmt(r["rate"]),
+              common.fmt(r.get("probe_rate")), r["probe_requests"], r["probe_failed"], r["probe_gaps"],
+              common.fmt(r.get("tokens_per_event")), r.get("probe_failure") or ""] for r in probed]))
     # Every pattern and step size the rows hold: with --append, earlier calls' too.
     kinds = sorted({(r["layers"], r.get("max_batch_tokens")) for r in rows}, key=lambda k: (k[0], k[1] or 0))
     found = [t for t in (targets(rows, layers, n) for layers, n in kinds) if t]
@@ -450,12 +477,13 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
         log(common.md_table(
             ["layers", "max batch tokens", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x",
              "dense best goodput", "x best", "m3 sat tok/s", "dense sat tok/s", "tok/s x", "m3 half rate",
-             "m3 ITL p99/p50"],
+             "m3 ITL p99/p50", "m3 gap ITL p99/p50"],
             [[t["layers"], step_tokens(t["max_batch_tokens"]), common.fmt(t["dense_rate_req_s"]),
               common.fmt(t["dense_goodput_req_s"]), common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1),
               common.fmt(t["dense_best_goodput_req_s"]), common.fmt(t["goodput_over_best"], 1),
               common.fmt(t["m3_saturation_tok_s"], 1), common.fmt(t["dense_saturation_tok_s"], 1),
-              common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]), common.fmt(t["m3_itl_p99_over_p50"], 1)]
+              common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]), common.fmt(t["m3_itl_p99_over_p50"], 1),
+              common.fmt(t["m3_gap_itl_p99_over_p50"], 1)]
              for t in found]))  # fmt: skip
     if failures:
         log("Failed (each configuration's runs stop at its first failure):")
@@ -552,6 +580,10 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
     they come."""
     for layers in args.layers:
         models = save_models(args, layers, out / "models")
+        # The probe's prompts (for the runs of --runs rates), for the tokenizer both checkpoints share.
+        probing = args.probe_share > 0 and "rates" in args.runs
+        prompts = stream_probe.make_prompts(models / f"m3-{layers}" / "tokenizer.json", args.prompt_min,
+                                            args.prompt_max, PROBE_PROMPTS) if probing else []
         for steps, config in ((n, c) for n in args.max_batch_tokens for c in args.configs):
             name, extra = CONFIGS[config]
             checkpoint = models / f"{name}-{layers}"
@@ -572,10 +604,30 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                         profile = f"kind=constant,rate={rate:g},max_concurrency={SWEEP_CONCURRENCY}"
                         tag = f"rate{rate:g}"
                     stem = f"guidellm-{config}-{layers}{suffix}-{tag}"
-                    report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
-                                          out / f"{stem}.log", seconds)
+                    probe = None
+                    if prompts and tag.startswith("rate"):
+                        probe = stream_probe.ProbeThread(
+                            f"http://127.0.0.1:{server.port}", str(checkpoint), prompts, rate=args.probe_share * rate,
+                            seconds=seconds, max_tokens=args.new_tokens,
+                        )
+                        probe.start()
+                    try:
+                        report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
+                                              out / f"{stem}.log", seconds)
+                    except BaseException:
+                        if probe is not None:  # a daemon thread: ends with the process, not waited for
+                            probe.stop.set()
+                        raise
+                    if probe is not None:  # its arrivals ended with guidellm's; its requests drain
+                        probe.stop.set()
+                        probe.join(stream_probe.DRAIN_S + seconds)
                     if not tag.startswith("warmup"):
-                        rows += rows_of(report, args, layers, config, steps, seconds)
+                        new = rows_of(report, args, layers, config, steps, seconds)
+                        if probe is not None:
+                            figures = dict(stream_probe.gap_figures(probe.results), probe_rate=args.probe_share * rate)
+                            for r in new:
+                                r.update(figures)
+                        rows += new
                         # JSON after every run: a run cut short by a time limit keeps the ones before it.
                         common.write_json(out / "bench_server.json", {"environment": common.environment(),
                                                                       "args": vars(args), "rows": rows,

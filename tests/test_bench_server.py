@@ -87,12 +87,24 @@ def test_targets_from_guidellm_rows():
     assert t["dense_best_goodput_req_s"] == 0.12 and abs(t["goodput_over_best"] - 7.5) < 1e-9
 
 
+def _byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer without merges at ``path`` (a ``tokenizer.json``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path))
+
+
 def _serve_with(monkeypatch, bench_server, server_class) -> None:
     """bench_server's servers made by ``server_class`` over empty checkpoint folders."""
 
     def models(args, pattern, where):
         for name in ("m3", "dense"):
             (where / f"{name}-{pattern}").mkdir(parents=True, exist_ok=True)
+        _byte_tokenizer(where / f"m3-{pattern}" / "tokenizer.json")  # the probe's prompts need one
         return where
 
     monkeypatch.setattr(bench_server, "ServerProcess", server_class)
@@ -357,11 +369,23 @@ def test_runs_over_several_calls_append_and_take_rates_as_shares(tmp_path, monke
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_server
 
-    _serve_with(monkeypatch, bench_server, _IdleServer)
+    from sse_stub import StubServer
+
+    stub = StubServer(texts=("a", "b", "", "c", "d"), tokens=5)  # the per-gap probe's server
+
+    class Server(_IdleServer):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.port = stub.port
+
+    _serve_with(monkeypatch, bench_server, Server)
     fake = _reporting_guidellm(tmp_path)
     base = ["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "1", "--warmup-seconds", "0"]
-    assert bench_server.main([*base, "--runs", "sync,throughput"]) == 0
-    assert bench_server.main([*base, "--runs", "rates", "--rates", "0.25x,0.5x,0.9", "--append"]) == 0
+    try:
+        assert bench_server.main([*base, "--runs", "sync,throughput"]) == 0
+        assert bench_server.main([*base, "--runs", "rates", "--rates", "0.25x,0.5x,0.9", "--append"]) == 0
+    finally:
+        stub.close()
     assert bench_server.main([*base, "--runs", "concurrent", "--configs", "m3_sparse", "--append"]) == 0
     profiles = (tmp_path / "profiles.txt").read_text().split()
     # Per call, m3_sparse's runs then the dense twin's; each share of 2 requests/s, the throughput run's.
@@ -378,12 +402,23 @@ def test_runs_over_several_calls_append_and_take_rates_as_shares(tmp_path, monke
         ("m3_sparse", "concurrent", 4),
     ]
     assert all(r["seconds"] == 1.0 for r in rows)
+    # The probe ran beside each constant-rate run only, at a fifth of its rate, and streamed.
+    probed = [r for r in rows if "probe_requests" in r]
+    assert [(r["config"], r["rate"], r["probe_rate"]) for r in probed] == [
+        (c, rate, 0.2 * rate) for c in ("m3_sparse", "dense") for rate in (0.5, 1.0, 0.9)]
+    for r in probed:
+        assert r["probe_requests"] >= 1 and r["probe_failed"] == 0 and r["tokens_per_event"] == 1.25
+        assert r["probe_gaps"] == 3 * r["probe_requests"] and r["gap_itl_p99_ms"] >= r["gap_itl_p50_ms"] >= 0
+    assert [b["model"] for b in stub.bodies][:1] == [str(tmp_path / "models" / "m3-sf")]
     assert (tmp_path / "guidellm-m3_sparse-sf-rate0.5.json").is_file()
     (t,) = result["targets"]
     # Half of m3_sparse's 2 requests/s is the constant run at 1/s; the twin's highest good rate too.
     assert t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
+    gaps = next(r for r in rows if r["config"] == "m3_sparse" and r["rate"] == 1.0)
+    assert t["m3_gap_itl_p99_over_p50"] == pytest.approx(gaps["gap_itl_p99_ms"] / gaps["gap_itl_p50_ms"])
     assert t["dense_rate_req_s"] == 2.0 and t["tok_s_ratio"] == 1.0
-    assert "| sf | m3_sparse | synchronous |" in (tmp_path / "bench_server.md").read_text()
+    md = (tmp_path / "bench_server.md").read_text()
+    assert "| sf | m3_sparse | synchronous |" in md and "Per-gap probe" in md
 
 
 def test_a_share_without_earlier_runs_fails_its_configuration(tmp_path, monkeypatch):
