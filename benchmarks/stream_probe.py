@@ -30,7 +30,7 @@ from pathlib import Path
 # A request the server has not finished this long after the run's arrivals end is dropped.
 DRAIN_S = 120.0
 STOP_POLL_S = 0.05  # how often the arrivals look at the stop flag
-# Text the prompts are cut from, repeated to length: prose of the toy tokenizer's own corpus.
+# Text the prompts are cut from, repeated to length: prose of the kind the toy tokenizer was trained on.
 _PROMPT_WORDS = ("Each query scores the key blocks with a small index branch and keeps the best of them. "
                  "The paged cache holds keys, values and index keys for every token, page by page. ")
 
