@@ -424,17 +424,13 @@ def stopped_figures(served: list[Served | None], stopped_s: float, new_tokens: i
             "itl_quantiles_ms": None}
 
 
-def pct(values, q: float) -> float | None:
-    return float(np.percentile(values, q)) if len(values) else None
-
-
 QUANTILES = (10, 25, 50, 75, 90)
 
 
 def quantiles(values) -> dict | None:
     """``{"p10": ..., "p90": ...}`` (``QUANTILES``) of ``values``, or None: the shape of a
     distribution whose median alone can sit on either side of a gap between two kinds of step."""
-    return {f"p{q}": pct(values, q) for q in QUANTILES} if len(values) else None
+    return {f"p{q}": common.percentile(values, q) for q in QUANTILES} if len(values) else None
 
 
 def figures(served: list[Served], start: float) -> dict:
@@ -447,8 +443,8 @@ def figures(served: list[Served], start: float) -> dict:
         "output_tokens": tokens,
         "wall_s": end - start,
         "tok_s": tokens / (end - start) if end > start else None,
-        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "ttft_p50_ms": common.percentile(ttft, 50), "ttft_p99_ms": common.percentile(ttft, 99),
+        "itl_p50_ms": common.percentile(itl, 50), "itl_p99_ms": common.percentile(itl, 99),
         "itl_quantiles_ms": quantiles(itl),
     }
 

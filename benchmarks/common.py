@@ -173,6 +173,14 @@ def pyplot():
     return plt, None
 
 
+def percentile(values, q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values`` (numpy's, interpolating linearly between
+    order statistics), or None for no values."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if len(values) else None
+
+
 def md_table(header, rows) -> str:
     """A markdown table: ``header`` the column names, ``rows`` lists of cells (str() each)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+import common
+
 # A request the server has not finished this long after the run's arrivals end is dropped.
 DRAIN_S = 120.0
 STOP_POLL_S = 0.05  # how often the arrivals look at the stop flag
@@ -115,18 +117,6 @@ class ProbeThread(threading.Thread):
             self.results = [e]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation between order statistics, as
-    numpy's default; None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def gap_figures(results: list) -> dict:
     """The figures of a probe run: requests that ended and those that failed (with the first
     failure), the pooled gaps between consecutive events (count, p50, p99, ms) and the
@@ -139,7 +129,8 @@ def gap_figures(results: list) -> dict:
     return {
         "probe_requests": len(ok), "probe_failed": len(failed),
         "probe_failure": f"{type(failed[0]).__name__}: {failed[0]}"[:300] if failed else None,
-        "probe_gaps": len(gaps), "gap_itl_p50_ms": percentile(gaps, 50), "gap_itl_p99_ms": percentile(gaps, 99),
+        "probe_gaps": len(gaps),
+        "gap_itl_p50_ms": common.percentile(gaps, 50), "gap_itl_p99_ms": common.percentile(gaps, 99),
         "tokens_per_event": sum(tokens) / events if events and len(tokens) == len(ok) else None,
     }  # fmt: skip
 
@@ -149,4 +140,4 @@ def run_probe(url: str, model: str, prompts: list[str], rate: float, seconds: fl
     return asyncio.run(probe(url, model, prompts, rate, seconds, max_tokens))
 
 
-__all__ = ["ProbeThread", "gap_figures", "make_prompts", "percentile", "probe", "run_probe"]
+__all__ = ["ProbeThread", "gap_figures", "make_prompts", "probe", "run_probe"]
