@@ -23,13 +23,17 @@ OUT/bench_server.json (same prompts, new tokens and goodput bounds), so a config
 length can be measured over several calls, each under a time limit::
 
     bench_server.py --configs m3_sparse --runs sync,throughput
-    bench_server.py --configs m3_sparse --runs rates --rates 0.25x,0.5x,0.75x --append
     bench_server.py --configs m3_sparse --runs concurrent --append
+    bench_server.py --configs m3_sparse --runs rates --rates 0.25x,0.5x,0.75x --append
+
+(the closed loop before the rates: its requests/s can pass the throughput run's, and a share
+is taken of the highest so far).
 
 ``--max-batch-tokens`` (the servers' ``--cb-max-batch-tokens``, the query tokens of one step)
 takes a list: each value gets its own servers and runs, so one call shows what the step size
-does to ITL p99 when prefill chunks share steps with decodes. Without it the servers keep
-transformers' own default, listed as "default".
+does to ITL p99 when prefill chunks share steps with decodes. Without it each server keeps its
+command's default, listed as "default": m3-serve's own step size for m3_sparse
+(``m3_hf_attention.serve.SERVE_STEP_TOKENS``) and transformers' for the twin.
 
 Before them each server is warmed by two runs of ``--warmup-seconds`` each, whose figures are
 dropped: one request at a time, then the closed loop. Their first steps compile the Triton
@@ -401,7 +405,7 @@ def rows_of(report: dict, args, layers: str, config: str, max_batch_tokens: int 
 
 def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) -> dict | None:
     """The serving issue's three figures for one layer pattern and step size
-    (``max_batch_tokens``, None for transformers' default), from guidellm's runs:
+    (``max_batch_tokens``, None for the server's default), from guidellm's runs:
 
     * goodput: m3_sparse's best goodput (requests/s meeting both bounds, any run) over the dense
       twin's at the highest request rate where at least half the twin's requests met them;
@@ -409,7 +413,8 @@ def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) 
       rate of the twin's got half its requests within the bounds (no reference rate);
     * tok/s at saturation: the best output tok/s of each configuration (its throughput run);
     * ITL p99 / p50 of m3_sparse at half its saturation: the constant-rate run whose rate is
-      nearest half its best requests/s; of guidellm's per-request mean ITL, and of the probe's
+      nearest half its best requests/s (``m3_half_of_best_req_s``, beside the run's own rate
+      ``m3_half_rate``); of guidellm's per-request mean ITL, and of the probe's
       gaps (``m3_gap_itl_p99_over_p50``, None without the probe)."""
     mine = {c: [r for r in rows if r["layers"] == layers and r["config"] == c and r["requests"]
                 and r.get("max_batch_tokens") == max_batch_tokens] for c in ("m3_sparse", "dense")}
@@ -437,14 +442,14 @@ def targets(rows: list[dict], layers: str, max_batch_tokens: int | None = None) 
         "goodput_over_best": ratio(m3_best["goodput_requests_s"], dense_best),
         "m3_saturation_tok_s": sat["m3_sparse"]["output_tok_s"], "dense_saturation_tok_s": sat["dense"]["output_tok_s"],
         "tok_s_ratio": ratio(sat["m3_sparse"]["output_tok_s"], sat["dense"]["output_tok_s"]),
-        "m3_half_rate": at_half and at_half["rate"],
+        "m3_half_of_best_req_s": round(half, 3), "m3_half_rate": at_half and at_half["rate"],
         "m3_itl_p99_over_p50": at_half and ratio(at_half["itl_p99_ms"], at_half["itl_p50_ms"]),
         "m3_gap_itl_p99_over_p50": at_half and ratio(at_half.get("gap_itl_p99_ms"), at_half.get("gap_itl_p50_ms")),
     }  # fmt: skip
 
 
 def step_tokens(max_batch_tokens: int | None) -> str:
-    """A step size as the tables show it: transformers' default when none was given."""
+    """A step size as the tables show it: each server's default when none was given."""
     return "default" if max_batch_tokens is None else str(max_batch_tokens)
 
 
@@ -476,13 +481,14 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
         log("Targets (m3_sparse against the dense twin; see targets() for how each is taken):")
         log(common.md_table(
             ["layers", "max batch tokens", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x",
-             "dense best goodput", "x best", "m3 sat tok/s", "dense sat tok/s", "tok/s x", "m3 half rate",
-             "m3 ITL p99/p50", "m3 gap ITL p99/p50"],
+             "dense best goodput", "x best", "m3 sat tok/s", "dense sat tok/s", "tok/s x", "m3 best req/s / 2",
+             "m3 rate run there", "m3 ITL p99/p50", "m3 gap ITL p99/p50"],
             [[t["layers"], step_tokens(t["max_batch_tokens"]), common.fmt(t["dense_rate_req_s"]),
               common.fmt(t["dense_goodput_req_s"]), common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1),
               common.fmt(t["dense_best_goodput_req_s"]), common.fmt(t["goodput_over_best"], 1),
               common.fmt(t["m3_saturation_tok_s"], 1), common.fmt(t["dense_saturation_tok_s"], 1),
-              common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_rate"]), common.fmt(t["m3_itl_p99_over_p50"], 1),
+              common.fmt(t["tok_s_ratio"], 1), common.fmt(t["m3_half_of_best_req_s"]),
+              common.fmt(t["m3_half_rate"]), common.fmt(t["m3_itl_p99_over_p50"], 1),
               common.fmt(t["m3_gap_itl_p99_over_p50"], 1)]
              for t in found]))  # fmt: skip
     if failures:
@@ -587,7 +593,7 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
         for steps, config in ((n, c) for n in args.max_batch_tokens for c in args.configs):
             name, extra = CONFIGS[config]
             checkpoint = models / f"{name}-{layers}"
-            # Files keep their plain names at transformers' default step size.
+            # Files keep their plain names at the server's default step size.
             suffix = "" if steps is None else f"-mbt{steps}"
             if steps is not None:
                 extra = [*extra, "--cb-max-batch-tokens", str(steps)]

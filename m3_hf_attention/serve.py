@@ -15,6 +15,10 @@ three things and hands every argument to transformers' CLI unchanged otherwise:
   ``M3_SPARSE_KERNEL`` naming a hub repository the hub string is that repository;
 * it imports the package, which registers ``attn_implementation="m3_sparse"`` in the process.
 
+Serving this kernel under ``--continuous-batching`` without ``--cb-max-batch-tokens``, it also
+sets that flag to :data:`SERVE_STEP_TOKENS` and says so on stderr. Any other attention is served
+with transformers' defaults.
+
     m3-serve /path/to/m3 --continuous-batching            # the model pinned, localhost:8000
     m3-serve /path/to/m3 --continuous-batching --port 9000 --cb-max-batch-tokens 4096
 
@@ -34,6 +38,14 @@ ATTN_FLAG = "--attn-implementation"
 # The names this package registers in a process, which transformers' server would refuse: the
 # command passes the hub string in their place.
 OWN_NAMES = ("m3_sparse", "paged|m3_sparse")
+STEP_FLAG = "--cb-max-batch-tokens"
+# Query tokens of one continuous-batching step, when the command line gives none. A step that
+# takes a prefill chunk holds every decoding request in it until the chunk is done, so the step
+# size bounds the gaps between a stream's tokens. transformers' own default is sized for
+# throughput; at this size the gaps' p99 stayed within a few times their p50 while a 12-layer
+# M3 served half its saturation rate, at a small cost in saturated tokens/s (docs/PERF.md,
+# issue 51's row).
+SERVE_STEP_TOKENS = 2048
 
 
 def _kernel_source() -> tuple[str, Path | None]:
@@ -48,27 +60,40 @@ def serve_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The arguments ``transformers serve`` gets for ``m3-serve argv``, and the environment it adds."""
     hub, local = _kernel_source()
     args = list(argv)
+    ours = True  # whether the server runs this kernel's attention
     for i, arg in enumerate(args):
         if arg == ATTN_FLAG:
             if i + 1 >= len(args):
                 raise SystemExit(f"m3-serve: {ATTN_FLAG} needs a value")
             if args[i + 1] in OWN_NAMES:
                 args[i + 1] = hub
+            ours = args[i + 1] == hub
             break
         if arg.startswith(ATTN_FLAG + "="):
             if arg.split("=", 1)[1] in OWN_NAMES:
                 args[i] = f"{ATTN_FLAG}={hub}"
+            ours = args[i] == f"{ATTN_FLAG}={hub}"
             break
     else:
         args += [ATTN_FLAG, hub]
+    if ours and "--continuous-batching" in args and not _has_flag(args, STEP_FLAG):
+        args[:0] = [STEP_FLAG, str(SERVE_STEP_TOKENS)]  # first: an added attention flag stays last
     env = {}
     if local is not None and "LOCAL_KERNELS" not in os.environ:
         env["LOCAL_KERNELS"] = f"{HUB_REPO_ID}={local}"
     return args, env
 
 
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args, env = serve_args(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    args, env = serve_args(given)
+    if _has_flag(args, STEP_FLAG) and not _has_flag(given, STEP_FLAG):
+        print(f"m3-serve: {STEP_FLAG} {SERVE_STEP_TOKENS} (m3-serve's default for this kernel; "
+              f"give {STEP_FLAG} to choose another)", file=sys.stderr)
     os.environ.update(env)
     import m3_hf_attention  # noqa: F401  (registers m3_sparse in this process)
 

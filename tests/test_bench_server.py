@@ -74,7 +74,7 @@ def test_targets_from_guidellm_rows():
     assert t["m3_goodput_req_s"] == 0.9 and abs(t["goodput_ratio"] - 7.5) < 1e-9
     assert t["dense_best_goodput_req_s"] == 0.12 and abs(t["goodput_over_best"] - 7.5) < 1e-9
     assert abs(t["tok_s_ratio"] - 10.0) < 1e-9
-    assert t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
+    assert t["m3_half_of_best_req_s"] == 1.1 and t["m3_half_rate"] == 1.0 and t["m3_itl_p99_over_p50"] == 3.0
     assert bench_server.targets([r for r in rows if r["config"] == "dense"], "sfs") is None
     t = bench_server.targets(rows + other, "sfs", 1024)
     assert t["max_batch_tokens"] == 1024 and t["dense_rate_req_s"] == 2.0 and t["m3_saturation_tok_s"] == 1200.0

@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import m3_hf_attention  # noqa: F401  (registers m3_sparse for the reference generate())
-from m3_hf_attention.serve import serve_args
+from m3_hf_attention.serve import SERVE_STEP_TOKENS, serve_args
 from packaging.version import Version
 from serve_utils import DEVICE, Server, save_checkpoint
 
@@ -74,13 +74,24 @@ def test_m3_serve_names_this_kernel_and_passes_the_rest_on(monkeypatch):
     monkeypatch.delenv("M3_SPARSE_KERNEL", raising=False)
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
     args, env = serve_args(["/m", "--continuous-batching", "--port", "9"])
-    assert args == ["/m", "--continuous-batching", "--port", "9", "--attn-implementation", m3_hf_attention._kernel.HUB_REPO_ID]
+    step = ["--cb-max-batch-tokens", str(SERVE_STEP_TOKENS)]
+    assert args == [*step, "/m", "--continuous-batching", "--port", "9", "--attn-implementation", m3_hf_attention._kernel.HUB_REPO_ID]
     assert env == {"LOCAL_KERNELS": f"{m3_hf_attention._kernel.HUB_REPO_ID}={m3_hf_attention._kernel.REPO_ROOT}"}
     # m3_sparse, which transformers' server would refuse, becomes the hub string; others pass through.
     assert serve_args(["/m", "--attn-implementation", "m3_sparse"])[0][-1] == m3_hf_attention._kernel.HUB_REPO_ID
     assert serve_args(["/m", "--attn-implementation=m3_sparse"])[0][-1].endswith("=" + m3_hf_attention._kernel.HUB_REPO_ID)
     assert serve_args(["/m", "--attn-implementation", "paged|m3_sparse"])[0][-1] == m3_hf_attention._kernel.HUB_REPO_ID
     assert serve_args(["/m", "--attn-implementation", "sdpa"])[0][-1] == "sdpa"
+    # The step size is m3-serve's for this kernel under continuous batching only, and the user's wins.
+    for given in (["/m", "--continuous-batching"], ["/m", "--continuous-batching", "--attn-implementation=m3_sparse"],
+                  ["/m", "--continuous-batching", "--attn-implementation", m3_hf_attention._kernel.HUB_REPO_ID]):
+        assert serve_args(given)[0][:2] == step, given
+    for given in (["/m"], ["/m", "--continuous-batching", "--attn-implementation", "sdpa"],
+                  ["/m", "--continuous-batching", "--attn-implementation=paged|sdpa"]):
+        assert "--cb-max-batch-tokens" not in serve_args(given)[0], given
+    for given in (["/m", "--continuous-batching", "--cb-max-batch-tokens", "512"],
+                  ["/m", "--continuous-batching", "--cb-max-batch-tokens=512"]):
+        assert serve_args(given)[0][:-2] == given
     monkeypatch.setenv("LOCAL_KERNELS", "a/b=/c")
     assert serve_args(["/m"])[1] == {}  # the user's mapping is kept
     monkeypatch.setenv("M3_SPARSE_KERNEL", "org/m3-sparse@abc")
