@@ -55,7 +55,10 @@ UTF-8 characters with the next one). Written to OUT: bench_server.json
 (every row, with guidellm's own JSON of each server beside it), bench_server.md and
 bench_server.png (p50 / p99 latency against output tok/s). A configuration whose server stops
 (or whose guidellm fails) is listed with the reason, from the server's log, under "Failed"; the
-other configurations still run, and the exit status is 1. SIGTERM (a time limit's) or Ctrl-C
+other configurations still run, and the exit status is 1. A run that guidellm gives no report
+for within its time, twice, while the server still serves (it waits for the requests in flight,
+which a slow server may not finish for minutes) is listed there too, and the configuration's
+next runs go on. SIGTERM (a time limit's) or Ctrl-C
 stops the server and guidellm run of the moment, writes the rows so far with the interrupted run
 under "Failed", and exits with 128 + the signal's number.
 
@@ -312,6 +315,12 @@ def raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
+class NoResult(RuntimeError):
+    """guidellm gave no report within its time, twice: it waits for the requests in flight when
+    the run's time is up, which a slow server (the dense twin under hundreds of long prompts) may
+    not finish for minutes."""
+
+
 def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log: Path, seconds: float) -> dict:
     mean = (args.prompt_min + args.prompt_max) // 2
     data = (f"kind=synthetic_text,prompt_tokens={mean},prompt_tokens_stdev={(args.prompt_max - args.prompt_min) // 3},"
@@ -341,7 +350,7 @@ def run_guidellm(args, port: int, model: str, profile: str, out_json: Path, log:
         if code != 0:
             raise subprocess.CalledProcessError(code, cmd)
         return json.loads(out_json.read_text())
-    raise RuntimeError(f"guidellm ({profile}) made no result in two tries of {limit:g} s: see {log}")
+    raise NoResult(f"guidellm ({profile}) made no result in two tries of {limit:g} s: see {log}")
 
 
 def stop_reason(log: Path) -> str:
@@ -492,7 +501,8 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
               common.fmt(t["m3_gap_itl_p99_over_p50"], 1)]
              for t in found]))  # fmt: skip
     if failures:
-        log("Failed (each configuration's runs stop at its first failure):")
+        log("Failed (a configuration's runs stop at its first failure, unless guidellm made no result while "
+            "the server still served):")
         log(common.md_table(["layers", "config", "max batch tokens", "run", "why"],
                             [[f["layers"], f["config"], step_tokens(f.get("max_batch_tokens")), f["run"], f["why"]]
                              for f in failures]))
@@ -620,6 +630,19 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                     try:
                         report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
                                               out / f"{stem}.log", seconds)
+                    except NoResult as e:
+                        if probe is not None:
+                            probe.stop.set()
+                        if server.proc.poll() is not None:
+                            raise
+                        # The server still serves, only too slowly for this run's load: the run
+                        # is listed under Failed and the configuration's next runs go on (killing
+                        # guidellm closed its connections, which cancels their requests).
+                        failures.append({"layers": layers, "config": config, "max_batch_tokens": steps,
+                                         "run": tag, "why": str(e)})
+                        log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed, "
+                            f"the next runs go on: {e}")
+                        continue
                     except BaseException:
                         if probe is not None:  # a daemon thread: ends with the process, not waited for
                             probe.stop.set()

@@ -319,13 +319,14 @@ sys.exit(bench_server.main(["--quick", "--out", {str(tmp_path)!r}, "--guidellm",
     assert "| sf | m3_sparse | default | sweep | interrupted by SIGTERM |" in (tmp_path / "bench_server.md").read_text()
 
 
-def _reporting_guidellm(tmp_path: Path) -> Path:
+def _reporting_guidellm(tmp_path: Path, hangs: str = "") -> Path:
     """A guidellm that answers each run with one benchmark of its profile's strategy, finishing
     requests at a rate of its own (synchronous 0.5/s, throughput 2/s, a constant rate at that
-    rate, the closed loop 1.5/s), and lists every profile it was given in ``profiles.txt``."""
+    rate, the closed loop 1.5/s), and lists every profile it was given in ``profiles.txt``. A run
+    of the strategy ``hangs`` never ends."""
     fake = tmp_path / "guidellm"
     fake.write_text(f"""#!{sys.executable}
-import json, pathlib, sys
+import json, pathlib, sys, time
 argv = sys.argv
 out = next(a.split("path=")[1] for a in argv if a.startswith("kind=json,path="))
 profile = argv[argv.index("--profile") + 1]
@@ -333,6 +334,8 @@ with open({str(tmp_path / "profiles.txt")!r}, "a") as f:
     f.write(profile + "\\n")
 fields = dict(x.split("=", 1) for x in profile.split(","))
 kind = fields["kind"]
+if kind == {hangs!r}:
+    time.sleep(600)
 req_s = {{"synchronous": 0.5, "throughput": 2.0, "concurrent": 1.5}}.get(kind) or float(fields["rate"])
 strategy = {{"type_": kind}}
 if kind == "constant":
@@ -419,6 +422,40 @@ def test_runs_over_several_calls_append_and_take_rates_as_shares(tmp_path, monke
     assert t["dense_rate_req_s"] == 2.0 and t["tok_s_ratio"] == 1.0
     md = (tmp_path / "bench_server.md").read_text()
     assert "| sf | m3_sparse | synchronous |" in md and "Per-gap probe" in md
+
+
+def test_a_run_without_a_result_is_listed_and_the_next_runs_go_on(tmp_path, monkeypatch):
+    """guidellm makes no result for the throughput run, twice, while the server still serves (the
+    dense twin under hundreds of long prompts): the run is under Failed and the configuration's
+    next runs are made, a share taken of its runs that finished. With the server gone, such a run
+    ends its configuration as any failure does."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_server
+
+    dead = []
+
+    class Server(_IdleServer):
+        def __init__(self, checkpoint, *args):
+            super().__init__(checkpoint, *args)
+            if checkpoint.name.startswith("dense"):  # the twin's server is gone when guidellm is stopped
+                dead.append(checkpoint.name)
+                self.proc = argparse.Namespace(poll=lambda: 1, returncode=1, wait=lambda s: None)
+
+    _serve_with(monkeypatch, bench_server, Server)
+    monkeypatch.setattr(bench_server, "GUIDELLM_GRACE_S", 1.0)
+    fake = _reporting_guidellm(tmp_path, hangs="throughput")
+    code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "0.5",
+                              "--warmup-seconds", "0", "--probe-share", "0",
+                              "--runs", "sync,throughput,rates,concurrent", "--rates", "0.5x"])
+    assert code == 1 and dead == ["dense-sf"]
+    result = json.loads((tmp_path / "bench_server.json").read_text())
+    assert [(r["config"], r["strategy"], r["rate"]) for r in result["rows"]] == [
+        ("m3_sparse", "synchronous", None), ("m3_sparse", "constant", 0.25), ("m3_sparse", "concurrent", 4),
+        ("dense", "synchronous", None)]
+    assert [(f["config"], f["run"]) for f in result["failures"]] == [("m3_sparse", "throughput"), ("dense", "throughput")]
+    m3, dense = result["failures"]
+    assert "made no result in two tries" in m3["why"]
+    assert dense["why"].startswith("the server stopped (exit 1)")
 
 
 def test_a_share_without_earlier_runs_fails_its_configuration(tmp_path, monkeypatch):
