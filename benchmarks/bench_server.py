@@ -491,7 +491,7 @@ def write_outputs(args, rows: list[dict], log: common.Log, failures: list[dict] 
         log(common.md_table(
             ["layers", "max batch tokens", "dense rate req/s", "dense goodput", "m3 goodput", "goodput x",
              "dense best goodput", "x best", "m3 sat tok/s", "dense sat tok/s", "tok/s x", "m3 best req/s / 2",
-             "m3 rate run there", "m3 ITL p99/p50", "m3 gap ITL p99/p50"],
+             "m3 nearest run rate", "m3 ITL p99/p50", "m3 gap ITL p99/p50"],
             [[t["layers"], step_tokens(t["max_batch_tokens"]), common.fmt(t["dense_rate_req_s"]),
               common.fmt(t["dense_goodput_req_s"]), common.fmt(t["m3_goodput_req_s"]), common.fmt(t["goodput_ratio"], 1),
               common.fmt(t["dense_best_goodput_req_s"]), common.fmt(t["goodput_over_best"], 1),

@@ -43,7 +43,7 @@ STEP_FLAG = "--cb-max-batch-tokens"
 # takes a prefill chunk holds every decoding request in it until the chunk is done, so the step
 # size bounds the gaps between a stream's tokens. transformers' own default is sized for
 # throughput; at this size the gaps' p99 stayed within a few times their p50 while a 12-layer
-# M3 served half its saturation rate, at a small cost in saturated tokens/s (docs/PERF.md,
+# M3 served a steady rate of long prompts, at a small cost in saturated tokens/s (docs/PERF.md,
 # issue 51's row).
 SERVE_STEP_TOKENS = 2048
 
