@@ -607,6 +607,11 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
             suffix = "" if steps is None else f"-mbt{steps}"
             if steps is not None:
                 extra = [*extra, "--cb-max-batch-tokens", str(steps)]
+
+            def failed(run: str, why: str) -> None:
+                failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": run, "why": why})
+                log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {run} run failed: {why}")
+
             warmups = [("kind=synchronous", "warmup-sync"), (closed_loop(args), "warmup")]
             runs = [(profile, tag, args.warmup_seconds) for profile, tag in warmups] if args.warmup_seconds > 0 else []
             runs += [(profile, tag, args.seconds) for profile, tag in timed_runs(args)]
@@ -630,23 +635,16 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                     try:
                         report = run_guidellm(args, server.port, str(checkpoint), profile, out / f"{stem}.json",
                                               out / f"{stem}.log", seconds)
-                    except NoResult as e:
-                        if probe is not None:
+                    except BaseException as e:
+                        if probe is not None:  # a daemon thread: ends with the process, not waited for
                             probe.stop.set()
-                        if server.proc.poll() is not None:
+                        if not isinstance(e, NoResult) or server.proc.poll() is not None:
                             raise
                         # The server still serves, only too slowly for this run's load: the run
                         # is listed under Failed and the configuration's next runs go on (killing
                         # guidellm closed its connections, which cancels their requests).
-                        failures.append({"layers": layers, "config": config, "max_batch_tokens": steps,
-                                         "run": tag, "why": str(e)})
-                        log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed, "
-                            f"the next runs go on: {e}")
+                        failed(tag, f"{e} (the next runs go on)")
                         continue
-                    except BaseException:
-                        if probe is not None:  # a daemon thread: ends with the process, not waited for
-                            probe.stop.set()
-                        raise
                     if probe is not None:  # its arrivals ended with guidellm's; its requests drain
                         probe.stop.set()
                         probe.join(stream_probe.DRAIN_S + seconds)
@@ -666,10 +664,8 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                 # of the benchmark, and its twin's figures stay worth having. An interruption
                 # ends them all.
                 interrupted = isinstance(e, Interrupted)
-                why = f"interrupted by {e}" if interrupted else failure(e, server, server_log, out / f"{stem}.log")
-                failures.append({"layers": layers, "config": config, "max_batch_tokens": steps, "run": tag,
-                                 "why": why})
-                log(f"- {config} {layers} (max batch tokens {step_tokens(steps)}): the {tag} run failed: {why}")
+                failed(tag, f"interrupted by {e}" if interrupted
+                       else failure(e, server, server_log, out / f"{stem}.log"))
                 if interrupted:
                     if server is not None:
                         # A time limit's SIGKILL follows its SIGTERM soon: no graceful minute.

@@ -452,7 +452,8 @@ def test_a_run_without_a_result_is_listed_and_the_next_runs_go_on(tmp_path, monk
     assert [(r["config"], r["strategy"], r["rate"]) for r in result["rows"]] == [
         ("m3_sparse", "synchronous", None), ("m3_sparse", "constant", 0.25), ("m3_sparse", "concurrent", 4),
         ("dense", "synchronous", None)]
-    assert [(f["config"], f["run"]) for f in result["failures"]] == [("m3_sparse", "throughput"), ("dense", "throughput")]
+    runs = [(f["config"], f["run"]) for f in result["failures"]]
+    assert runs == [("m3_sparse", "throughput"), ("dense", "throughput")]
     m3, dense = result["failures"]
     assert "made no result in two tries" in m3["why"]
     assert dense["why"].startswith("the server stopped (exit 1)")

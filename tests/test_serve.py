@@ -75,7 +75,8 @@ def test_m3_serve_names_this_kernel_and_passes_the_rest_on(monkeypatch):
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
     args, env = serve_args(["/m", "--continuous-batching", "--port", "9"])
     step = ["--cb-max-batch-tokens", str(SERVE_STEP_TOKENS)]
-    assert args == [*step, "/m", "--continuous-batching", "--port", "9", "--attn-implementation", m3_hf_attention._kernel.HUB_REPO_ID]
+    hub = m3_hf_attention._kernel.HUB_REPO_ID
+    assert args == [*step, "/m", "--continuous-batching", "--port", "9", "--attn-implementation", hub]
     assert env == {"LOCAL_KERNELS": f"{m3_hf_attention._kernel.HUB_REPO_ID}={m3_hf_attention._kernel.REPO_ROOT}"}
     # m3_sparse, which transformers' server would refuse, becomes the hub string; others pass through.
     assert serve_args(["/m", "--attn-implementation", "m3_sparse"])[0][-1] == m3_hf_attention._kernel.HUB_REPO_ID
