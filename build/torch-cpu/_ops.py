@@ -6,7 +6,7 @@ never register ops under the same name.
 
 import torch
 
-NAMESPACE = "_m3_sparse_cpu_8281adaeae"
+NAMESPACE = "_m3_sparse_cpu_96958274d7"
 
 ops = getattr(torch.ops, NAMESPACE)
 

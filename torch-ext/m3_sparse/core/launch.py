@@ -381,8 +381,9 @@ def launch_kernel(fn, grid: tuple, *args, **kwargs) -> None:
 # side by side, and the real call finds every kernel built. The pass's torch work (allocations,
 # small index ops) runs on the device and is dropped with its outputs; its kernels write
 # nothing, so a pass leaves every input and cache as it was.
-# "1" turns passes on. Off by default until measured on a GPU (benchmarks/bench_first_call.py)
-# against each kernel compiling at its launch.
+# "1" turns passes on. Off by default: a pass overlaps one op's compiles, not those of
+# different ops, so a model's first generate() gains little (benchmarks/bench_first_call.py
+# times it with and without passes).
 COMPILE_AHEAD_ENV = "M3_SPARSE_COMPILE_AHEAD"
 # Passes a call key gets while they still find kernels to compile; then, or after a pass that
 # found none, calls of that key run directly. A key is coarse (no lengths): a later call whose
