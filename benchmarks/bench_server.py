@@ -74,6 +74,7 @@ request generates them all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -274,6 +275,24 @@ class ServerProcess:
                 pass
             time.sleep(1)
         raise RuntimeError(f"the server did not answer in 600 s: see {log}")
+
+    def dump_stacks(self) -> None:
+        """Has the server and the process it runs its model in print their threads' stacks to
+        its log (m3-serve's ``kill -USR1``): where a run that made no progress was waiting."""
+        if self.proc.poll() is not None or not hasattr(signal, "SIGUSR1"):
+            return
+        try:
+            import psutil
+        except ImportError:
+            return
+        # m3-serve and the model's process it spawned, nothing else: SIGUSR1 would end any other.
+        with contextlib.suppress(psutil.Error):
+            main = psutil.Process(self.proc.pid)
+            if "m3_hf_attention.serve" not in " ".join(main.cmdline()):
+                return
+            for proc in [main, *(p for p in main.children(recursive=True) if "spawn_main" in " ".join(p.cmdline()))]:
+                proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
@@ -643,7 +662,8 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                         # The server still serves, only too slowly for this run's load: the run
                         # is listed under Failed and the configuration's next runs go on (killing
                         # guidellm closed its connections, which cancels their requests).
-                        failed(tag, f"{e} (the next runs go on)")
+                        server.dump_stacks()
+                        failed(tag, f"{e} (the next runs go on; the server's stacks are in its log)")
                         continue
                     if probe is not None:  # its arrivals ended with guidellm's; its requests drain
                         probe.stop.set()
@@ -668,6 +688,7 @@ def run_all(args, out: Path, log: common.Log, rows: list[dict], failures: list[d
                        else failure(e, server, server_log, out / f"{stem}.log"))
                 if interrupted:
                     if server is not None:
+                        server.dump_stacks()  # what a run cut by a time limit was waiting for
                         # A time limit's SIGKILL follows its SIGTERM soon: no graceful minute.
                         server.stop(grace_s=2.0)
                         server = None

@@ -23,12 +23,17 @@ with transformers' defaults.
     m3-serve /path/to/m3 --continuous-batching --port 9000 --cb-max-batch-tokens 4096
 
 ``m3-serve --help`` prints transformers' options. The server listens on localhost unless
-``--host`` says otherwise.
+``--host`` says otherwise. ``kill -USR1`` to the server, or to the process that runs its model
+(transformers' server spawns one), prints each of that process's threads' Python stacks to
+stderr, and it serves on: where a request that makes no progress is waiting.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +51,19 @@ STEP_FLAG = "--cb-max-batch-tokens"
 # M3 served a steady rate of long prompts, at a small cost in saturated tokens/s (docs/PERF.md,
 # issue 51's row).
 SERVE_STEP_TOKENS = 2048
+# Set by the command for the processes the server spawns: spawning imports this module there
+# again (the parent's main module, or the console script's import of it), which registers the
+# stack dump of ``kill -USR1`` in the model's process too.
+STACKS_ENV = "M3_SERVE_STACKS_ON_SIGUSR1"
+
+
+def _stacks_on_sigusr1() -> None:
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+if os.environ.get(STACKS_ENV) == "1" and multiprocessing.current_process().name != "MainProcess":
+    _stacks_on_sigusr1()
 
 
 def _kernel_source() -> tuple[str, Path | None]:
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"m3-serve: {STEP_FLAG} {SERVE_STEP_TOKENS} (m3-serve's default for this kernel; "
               f"give {STEP_FLAG} to choose another)", file=sys.stderr)
     os.environ.update(env)
+    os.environ[STACKS_ENV] = "1"
+    _stacks_on_sigusr1()
     import m3_hf_attention  # noqa: F401  (registers m3_sparse in this process)
 
     try:

@@ -356,9 +356,15 @@ pathlib.Path(out).write_text(json.dumps({{"benchmarks": [bench]}}))
 
 
 class _IdleServer:
+    stack_dumps: list[str] = []  # the checkpoints whose server was asked for its stacks
+
     def __init__(self, checkpoint, extra, args, log):
         log.write_text("INFO: started\n")
         self.port, self.proc = 1, argparse.Namespace(poll=lambda: None, returncode=None, wait=lambda s: None)
+        self.checkpoint = checkpoint
+
+    def dump_stacks(self):
+        self.stack_dumps.append(self.checkpoint.name)
 
     def stop(self):
         pass
@@ -443,6 +449,7 @@ def test_a_run_without_a_result_is_listed_and_the_next_runs_go_on(tmp_path, monk
 
     _serve_with(monkeypatch, bench_server, Server)
     monkeypatch.setattr(bench_server, "GUIDELLM_GRACE_S", 1.0)
+    monkeypatch.setattr(_IdleServer, "stack_dumps", [])
     fake = _reporting_guidellm(tmp_path, hangs="throughput")
     code = bench_server.main(["--quick", "--out", str(tmp_path), "--guidellm", str(fake), "--seconds", "0.5",
                               "--warmup-seconds", "0", "--probe-share", "0",
@@ -455,8 +462,9 @@ def test_a_run_without_a_result_is_listed_and_the_next_runs_go_on(tmp_path, monk
     runs = [(f["config"], f["run"]) for f in result["failures"]]
     assert runs == [("m3_sparse", "throughput"), ("dense", "throughput")]
     m3, dense = result["failures"]
-    assert "made no result in two tries" in m3["why"]
+    assert "made no result in two tries" in m3["why"] and "stacks are in its log" in m3["why"]
     assert dense["why"].startswith("the server stopped (exit 1)")
+    assert _IdleServer.stack_dumps == ["m3-sf"]  # the server that still ran, before its next runs
 
 
 def test_a_share_without_earlier_runs_fails_its_configuration(tmp_path, monkeypatch):

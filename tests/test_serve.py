@@ -6,6 +6,8 @@ exactly the text of that prompt's own ``generate()`` on ``attn_implementation="m
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import httpx
 import pytest
@@ -163,3 +165,27 @@ def test_concurrent_requests_each_get_their_own_tokens(server, reference):
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
         got = list(pool.map(ask, PROMPTS * 2))
     assert got == want * 2
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_sigusr1_prints_the_stacks_of_the_model_s_threads_and_the_server_serves_on(server, reference):
+    """``kill -USR1`` to the server and the process it runs its model in (where transformers'
+    server spawns one), for a request that makes no progress: the log gets the Python stack of
+    each thread, the continuous-batching manager's among them, and the server answers as before."""
+    psutil = pytest.importorskip("psutil")
+    tokenizer, text = reference
+    before = len(server.log.read_text(errors="replace"))
+    main = psutil.Process(server.proc.pid)
+    # The model's process, not multiprocessing's resource tracker (which SIGUSR1 would end).
+    spawned = [p for p in main.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    for proc in [main, *spawned]:
+        proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    # Each process writes its dump from its signal handler: the manager's frames come in time.
+    while "continuous_batching" not in (dumped := server.log.read_text(errors="replace")[before:]):
+        assert time.monotonic() < deadline and server.proc.poll() is None, dumped[-4000:] or server.tail()
+        time.sleep(0.2)
+    assert dumped.count("(most recent call first)") >= 2, dumped[:2000]
+    body = {"model": server.model, "prompt": PROMPTS[2], "max_tokens": NEW_TOKENS, "temperature": 0}
+    got = httpx.post(server.url + "/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    assert got == text(tokenizer(PROMPTS[2])["input_ids"])
