@@ -26,8 +26,16 @@ default cache and dispatch, where each kernel compiles at its launch, one after 
 ``m3_sparse-ahead``: m3_sparse with compile-ahead passes (``M3_SPARSE_COMPILE_AHEAD=1``: an op's
 first calls compile their kernels side by side on a thread pool first).
 
+Each call also records torch.compile's own account of itself (``compile`` in the JSON): the
+seconds of each of dynamo's timed phases (``torch._dynamo.utils.compile_times``; phases nest,
+so a phase's time includes those it calls), the kernels inductor generated, the calls dynamo
+captured into its graphs (about the graphs' nodes) and the graphs. The report lists the phases
+where an m3_sparse configuration differs most from the dense twin: where m3_sparse's extra
+inductor time goes.
+
 Outputs in ``--out``: bench_first_call.md / .json / .log; each configuration's Triton compiles
-(kernel and seconds, slowest first; ``kernels`` in the JSON), then the table, printed last.
+(kernel and seconds, slowest first; ``kernels`` in the JSON), the inductor phases, then the
+table, printed last.
 
     python3 benchmarks/bench_first_call.py --layers sssfsssfsssf --size 32k
     python3 benchmarks/bench_first_call.py --quick     # CPU smoke run (no compiles to split)
@@ -57,6 +65,8 @@ CONFIGS = {
     "m3_sparse-ahead": ("m3_sparse", {"M3_SPARSE_COMPILE_AHEAD": "1"}),
 }
 KINDS = ("triton", "inductor", "graphs", "flash_attn_4")
+# Phases of torch.compile listed in the report: those that differ most from the dense twin's.
+PHASES_SHOWN = 10
 
 
 def parse_args(argv=None):
@@ -193,6 +203,25 @@ def kernel_name(src) -> str:
     return getattr(fn, "__name__", None) or getattr(src, "name", None) or type(src).__name__
 
 
+def compile_state() -> dict:
+    """torch.compile's counters so far: seconds per timed phase (summed over frames), kernels
+    inductor generated, calls dynamo captured, graphs."""
+    from torch._dynamo import utils as dynamo_utils
+    from torch._inductor import metrics
+
+    names, values = dynamo_utils.compile_times(repr="csv", aggregate=True)
+    stats = dynamo_utils.counters["stats"]
+    return {"phases": {n: float(v) for n, v in zip(names, values)}, "inductor_kernels": metrics.generated_kernel_count,
+            "calls_captured": stats["calls_captured"], "graphs": stats["unique_graphs"]}
+
+
+def compile_delta(before: dict, after: dict) -> dict:
+    """What one call added to :func:`compile_state` (phases of at least 5 ms)."""
+    phases = {n: round(t - before["phases"].get(n, 0.0), 3) for n, t in after["phases"].items()}
+    return {"phases": {n: t for n, t in phases.items() if t >= 0.005},
+            **{k: after[k] - before[k] for k in ("inductor_kernels", "calls_captured", "graphs")}}
+
+
 def child(args) -> dict:
     split = Split()
     instrument(split)  # before the first Triton kernel is bound to its compile
@@ -217,14 +246,15 @@ def child(args) -> dict:
     calls = []
     with ctx:
         for _ in range(2):
-            before = dict(split.seconds)
+            before, compiled = dict(split.seconds), compile_state()
             common.sync(gargs.device)
             start = time.perf_counter()
             out = bg.generate(model, ids, mask, args.new_tokens, bg.call_args(config, model, shape, gargs))
             common.sync(gargs.device)
             total = time.perf_counter() - start
             parts = {k: split.seconds[k] - before[k] for k in KINDS}
-            calls.append({"s": total, **parts, "other": total - sum(parts.values())})
+            calls.append({"s": total, **parts, "other": total - sum(parts.values()),
+                          "compile": compile_delta(compiled, compile_state())})
     return {"config": name, "first": calls[0], "warm": calls[1], "counts": split.counts, "compiles": len(split.kernels),
             "kernels": sorted(split.kernels, key=lambda k: -k[1]), "tokens": out[0, ids.shape[1]:][:8].tolist()}
 
@@ -283,11 +313,40 @@ def main(argv=None) -> int:
     for r in rows:  # each compile, slowest first (seconds of its own thread)
         if r.get("kernels"):
             log(f"- {r['config']}: " + ", ".join(f"{k} {t:.1f}" for k, t in r["kernels"]))
+    phases = compile_table(rows)
+    if phases:
+        log(f"torch.compile in the first call (the {PHASES_SHOWN} phases that differ most from the dense twin's, "
+            "seconds; phases nest):")
+        log(phases)
     log(common.md_table(header, table))
     common.write_json(out / "bench_first_call.json", {"environment": common.environment(), "args": vars(args),
                                                       "rows": rows})
     log.write(out / "bench_first_call.md")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def compile_table(rows: list[dict]) -> str | None:
+    """torch.compile's account of each configuration's first call, the phases that differ most
+    from the dense twin's first; None without a dense row or any compile."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    base = next((r for r in ok if r["config"] == "dense"), None)
+    if base is None or len(ok) < 2:
+        return None
+    first = {r["config"]: r["first"]["compile"] for r in ok}
+    names = {n for c in first.values() for n in c["phases"]}
+    if not names:
+        return None
+
+    def gap(name: str) -> float:
+        own = first["dense"]["phases"].get(name, 0.0)
+        return max(abs(c["phases"].get(name, 0.0) - own) for config, c in first.items() if config != "dense")
+
+    shown = sorted(names, key=lambda n: (-gap(n), n))[:PHASES_SHOWN]
+    table = [[n, *(common.fmt(c["phases"].get(n, 0.0), 2) for c in first.values())] for n in shown]
+    table += [[label, *(c[key] for c in first.values())] for key, label in
+              (("inductor_kernels", "kernels inductor generated"), ("calls_captured", "calls dynamo captured"),
+               ("graphs", "graphs"))]
+    return common.md_table(["phase", *first], table)
 
 
 if __name__ == "__main__":
